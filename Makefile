@@ -1,0 +1,47 @@
+# minillm: every target installs what it needs first, once (stamps in .venv record it).
+#   make serve  - the main job (today: prepare the corpus and print its statistics)
+#   make test   - the whole suite: unit tests, then every notebook under nbval
+#   make lab    - JupyterLab on notebooks/
+#   make book   - the HTML book, offline, into _build/html
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install --progress-bar off --quiet
+BASE   := $(VENV)/.installed-base
+DEV    := $(VENV)/.installed-dev
+
+.PHONY: serve test test-unit test-notebooks lab book clean
+
+serve: $(BASE)
+	$(PY) -m minillm.data
+
+test: test-unit test-notebooks
+
+test-unit: $(DEV)
+	MINILLM_QUICK=1 $(PY) -m pytest tests/
+
+test-notebooks: $(DEV)
+	MINILLM_QUICK=1 $(PY) -m pytest --nbval-lax --nbval-current-env notebooks/
+
+lab: $(DEV)
+	$(PY) -m jupyter lab notebooks/
+
+book: $(DEV)
+	$(PY) -m jupyter_book build --warningiserror --nitpick --keep-going .
+
+$(PY):
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "minillm needs Python 3.11 or newer (set PYTHON=...)")'
+	$(PYTHON) -m venv $(VENV)
+
+# The stamps depend on pyproject.toml: editing the dependencies reinstalls, nothing else does.
+$(BASE): pyproject.toml | $(PY)
+	$(PIP) -e .
+	touch $@
+
+$(DEV): pyproject.toml | $(PY)
+	$(PIP) -e ".[dev,book]"
+	touch $@ $(BASE)
+
+clean:
+	rm -rf _build .pytest_cache
