@@ -28,7 +28,7 @@ lab: $(DEV)
 	$(PY) -m jupyter lab notebooks/
 
 book: $(DEV)
-	$(PY) -m jupyter_book build --warningiserror --nitpick --keep-going .
+	$(VENV)/bin/jupyter-book build --warningiserror --nitpick --keep-going .
 
 $(PY):
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "minillm needs Python 3.11 or newer (set PYTHON=...)")'

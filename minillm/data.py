@@ -202,8 +202,14 @@ class SyntheticSource:
     name = "synthetic"
 
     def __init__(self, seed: int) -> None:
+        import inspect
+
+        from minillm import synthetic
+
         self.seed = seed
-        self.key = f"synthetic-seed{seed}"
+        # The generator's own source is part of the cache key: edit a template, get new stories.
+        version = hashlib.sha1(inspect.getsource(synthetic).encode()).hexdigest()[:8]
+        self.key = f"synthetic-{version}-seed{seed}"
 
     def stories(self, split: str, limit: int | None) -> Iterator[str]:
         want = limit if limit is not None else 200_000

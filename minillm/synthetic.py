@@ -28,7 +28,7 @@ ANIMALS = [  # kind, sound-free description words
     ("dragon", "small"), ("robot", "shiny"), ("hedgehog", "prickly"), ("goat", "hungry"),
 ]
 TRAITS = "kind curious happy shy brave silly clever gentle cheerful careful friendly quiet busy playful helpful".split()
-GROWNUPS = [("Mom", "she"), ("Dad", "he"), ("Grandma", "she"), ("Grandpa", "he"), ("the teacher", "she"), ("Aunt May", "she"), ("Uncle Bob", "he")]
+GROWNUPS = ["Mom", "Dad", "Grandma", "Grandpa", "the teacher", "Aunt May", "Uncle Bob"]
 PLACES = [  # place, the preposition for being there, a spot where a lost thing could be, a sight
     ("the park", "in", "under a bench", "tall trees"), ("the forest", "in", "behind a big rock", "pretty flowers"),
     ("the beach", "at", "under the warm sand", "blue waves"), ("the garden", "in", "under a big leaf", "red roses"),
@@ -123,7 +123,6 @@ class Cast:
     hero: Character
     friend: Character
     grownup: str
-    grownup_she: str
     place: str
     at: str  # 'in the park', 'on the farm'
     spot: str
@@ -198,10 +197,10 @@ def plot_fear(c: Cast, r: random.Random) -> list[str]:
     return [
         f"{h.name} was afraid of {fear}. Every time {h.she} thought about it, {h.hers} tummy felt funny.",
         f"One day, {h.name} told {c.grownup}. " + say(r, h, f"I am scared of {fear}."),
-        f"{c.grownup} sat down next to {h.her}. " + say(r, c.grownup, r.choice(["Everyone is scared sometimes. Being brave means you try anyway.", "I will be right here with you. Let us try together."])),
+        f"{cap(c.grownup)} sat down next to {h.her}. " + say(r, c.grownup, r.choice(["Everyone is scared sometimes. Being brave means you try anyway.", "I will be right here with you. Let us try together."])),
         f"{h.name} took a deep breath. Then {brave}.",
         say(r, h, r.choice(["I did it!", "That was not so scary!", "Look at me, I am brave!"])) + f" {h.name} felt very proud.",
-        f"{c.grownup} gave {h.her} a big hug, and {h.name} was not afraid of {fear} anymore.",
+        f"{cap(c.grownup)} gave {h.her} a big hug, and {h.name} was not afraid of {fear} anymore.",
     ]
 
 
@@ -213,7 +212,7 @@ def plot_broken(c: Cast, r: random.Random) -> list[str]:
         f"{f.name} pulled too hard, and snap! The {c.thing} broke into two pieces.",
         f"{h.name} was {r.choice(['very sad', 'angry', 'upset'])}. " + say(r, h, f"You broke my {c.thing}!"),
         say(r, f, "I am so sorry. I did not mean to.") + f" {f.name} looked like {f.she} would cry too.",
-        f"They took the pieces home to {c.grownup}. {c.grownup} found {fix} and fixed the {c.thing}.",
+        f"They took the pieces home to {c.grownup}. {cap(c.grownup)} found {fix} and fixed the {c.thing}.",
         f"It was not perfect, but it worked. " + say(r, h, f"It is okay, {f.name}. I forgive you."),
         "The two friends played again, and this time they were very gentle.",
     ]
@@ -261,8 +260,8 @@ def plot_help(c: Cast, r: random.Random) -> list[str]:
     ])
     return [
         f"{h.name} was walking to {c.place} with {c.grownup}. On the way, {h.she} saw {who}.",
-        f"It {need}. {h.name} stopped. " + say(r, h, f"{c.grownup}, we have to help!"),
-        f"{c.grownup} smiled. " + say(r, c.grownup, "You have a kind heart. Let us help together."),
+        f"It {need}. {h.name} stopped. " + say(r, h, f"{cap(c.grownup)}, we have to help!"),
+        f"{cap(c.grownup)} smiled. " + say(r, c.grownup, "You have a kind heart. Let us help together."),
         f"{h.name} was careful and gentle. {done}.",
         f"{h.name} felt warm and happy inside. Helping felt even better than playing.",
     ]
@@ -276,7 +275,7 @@ def plot_race(c: Cast, r: random.Random) -> list[str]:
         f"{h.name} was in front. {cap(h.she)} was going to win! But then {h.she} heard a cry. {f.name} had fallen down.",
         f"{h.name} stopped. {cap(h.she)} ran back and helped {f.name} stand up. " + say(r, h, "Are you okay?"),
         say(r, f, "My knee hurts, but I am okay.") + " They walked to the end together, hand in hand.",
-        f"{c.grownup} clapped. " + say(r, c.grownup, f"{h.name}, you did not win the race, but you did something better."),
+        f"{cap(c.grownup)} clapped. " + say(r, c.grownup, f"{h.name}, you did not win the race, but you did something better."),
     ]
 
 
@@ -292,7 +291,7 @@ def plot_make(c: Cast, r: random.Random) -> list[str]:
     return [
         f"{h.name} and {c.grownup} wanted to make {a(thing)}. {h.name} was very excited.",
         f"They worked and worked. But then {oops}.",
-        f"{h.name} looked at {c.grownup}. {c.grownup} looked at {h.name}. Then they both started to laugh.",
+        f"{h.name} looked at {c.grownup}. {cap(c.grownup)} looked at {h.name}. Then they both started to laugh.",
         say(r, c.grownup, "Let us try again.") + " And they did.",
         f"The second time was even better. {h.name} was proud of the {thing}, and {h.she} showed it to everyone.",
     ]
@@ -321,10 +320,10 @@ def story(rng: random.Random) -> str:
     """One story, every choice drawn from ``rng``."""
     hero = make_character(rng)
     friend = make_character(rng, avoid=hero.name)
-    grownup, grownup_she = rng.choice(GROWNUPS)
+    grownup = rng.choice(GROWNUPS)
     place, prep, spot, sight = rng.choice(PLACES)
     thing, flies = rng.choice(THINGS)
-    cast = Cast(hero, friend, grownup, grownup_she, place, f"{prep} {place}", spot, sight, thing, flies)
+    cast = Cast(hero, friend, grownup, place, f"{prep} {place}", spot, sight, thing, flies)
     plot = rng.choice(list(PLOTS))
     sentences = [hero.intro(rng), *PLOTS[plot](cast, rng), ending(cast, plot, rng)]
     # Group sentences into short paragraphs, as children's books print them.

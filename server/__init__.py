@@ -1,5 +1,4 @@
-"""The HTTP side of minillm: an OpenAI-compatible streaming server over the engine.
-
-It owns no model logic; chapter 9 builds it on :mod:`minillm`'s engine. Until then this
-package holds only what the server will share with the load generator and dashboard.
+"""The HTTP side of minillm: the OpenAI-compatible streaming server, its load generator and
+dashboard (chapters 9 and 10). It owns no model logic: everything it serves comes from the
+engine in :mod:`minillm`, and nothing in :mod:`minillm` imports it.
 """
