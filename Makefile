@@ -1,5 +1,5 @@
 # minillm: every target installs what it needs first, once (stamps in .venv record it).
-#   make serve  - the main job (today: prepare the corpus and print its statistics)
+#   make serve  - the main job (today: train the cpu model on first use, then print samples)
 #   make test   - the whole suite: unit tests, then every notebook under nbval
 #   make lab    - JupyterLab on notebooks/
 #   make book   - the HTML book, offline, into _build/html
@@ -14,7 +14,7 @@ DEV    := $(VENV)/.installed-dev
 .PHONY: serve test test-unit test-notebooks lab book clean
 
 serve: $(BASE)
-	$(PY) -m minillm.data
+	$(PY) -m minillm
 
 test: test-unit test-notebooks
 

@@ -46,3 +46,32 @@ def _cpu_model() -> str:
     import platform
 
     return platform.processor() or platform.machine() or "CPU"
+
+
+def measure_matmul_flops(
+    device: torch.device | str | None = None, dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 5
+) -> float:
+    """Dense matmul throughput in FLOP/s: the median of ``repeats`` timed ``n x n`` products,
+    after a warm-up, with the device synchronised around each timing."""
+    import statistics
+    import time
+
+    device = torch.device(device) if device is not None else default_device()
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elif device.type == "mps":
+            torch.mps.synchronize()
+
+    a @ b  # warm-up: kernel selection, caches
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        sync()
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times)

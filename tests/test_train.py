@@ -1,0 +1,125 @@
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from minillm.checkpoint import load_model, load_or_train, load_state, preset_dir
+from minillm.data import BatchSampler, prepare_corpus
+from minillm.model import GPT
+from minillm.train import TrainConfig, lr_at, make_optimizer, resolve, train, train_step
+
+SMALL = dict(preset="tiny", data="synthetic", max_stories=200, dtype="float32", progress=False, eval_batches=2)
+
+
+def weights(path):
+    return load_state(path)["model"]
+
+
+def test_resume_continues_exactly(home):
+    train(TrainConfig(**SMALL, max_steps=6, eval_every=3, out=str(home / "straight")))
+    train(TrainConfig(**SMALL, max_steps=6, eval_every=3, stop_after=3, out=str(home / "split")))
+    assert load_state(home / "split")["step"] == 3
+    train(TrainConfig(**SMALL, max_steps=6, eval_every=3, resume=True, out=str(home / "split")))
+    a, b = weights(home / "straight"), weights(home / "split")
+    assert load_state(home / "split")["step"] == 6
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_a_few_steps_reduce_the_loss_on_a_fixed_batch():
+    torch.manual_seed(0)
+    model = GPT(resolve(TrainConfig(preset="tiny"))[1])
+    cfg = resolve(TrainConfig(preset="tiny", lr=3e-3))[0]
+    opt = make_optimizer(model, cfg)
+    x = torch.randint(0, 1000, (4, 32))
+    batch = [(x[:, :-1], x[:, 1:])]
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    import contextlib
+
+    losses = [train_step(model, opt, scaler, contextlib.nullcontext(), batch, 1.0) for _ in range(40)]
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_training_writes_metrics_and_a_loadable_model(home):
+    metrics = train(TrainConfig(**SMALL, max_steps=4, eval_every=2, out=str(home / "run")))
+    assert metrics["step"] == 4 and metrics["val_loss"] > 0 and metrics["val_bpb"] > 0
+    assert (home / "run" / "history.json").is_file()
+    model = load_model(home / "run")
+    assert not model.training and model.cfg.d_model == 64
+    history = load_state(home / "run")["history"]
+    assert [h["step"] for h in history] == [1, 2, 3, 4]
+
+
+def test_learning_rate_schedule():
+    cfg = resolve(TrainConfig(preset="tiny", max_steps=100, warmup=10, lr=1.0))[0]
+    lrs = [lr_at(s, cfg) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))  # decays monotonically after warm-up
+    assert lrs[-1] == pytest.approx(cfg.min_lr_ratio, abs=0.01)
+
+
+def test_weight_decay_only_on_matrices():
+    model = GPT(resolve(TrainConfig(preset="tiny"))[1])
+    decayed, plain = make_optimizer(model, resolve(TrainConfig(preset="tiny"))[0]).param_groups
+    assert all(p.dim() == 2 for p in decayed["params"]) and all(p.dim() == 1 for p in plain["params"])
+    assert decayed["weight_decay"] > 0 and plain["weight_decay"] == 0
+
+
+def test_load_or_train_trains_once_then_loads(home, monkeypatch):
+    monkeypatch.setenv("MINILLM_QUICK", "1")
+    model = load_or_train("tiny", device="cpu")
+    path = preset_dir("tiny") / "ckpt.pt"
+    stamp = path.stat().st_mtime_ns
+    again = load_or_train("tiny", device="cpu")
+    assert path.stat().st_mtime_ns == stamp
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
+def test_ddp_on_two_cpu_processes_equals_one_process_on_both_batches(home):
+    """Two gloo ranks, each on its own shard, average their gradients: the same as one process
+    training on both ranks' batches together."""
+    out = home / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "minillm.train",
+           "--preset", "tiny", "--data", "synthetic", "--max-stories", "200", "--max-steps", "2", "--eval-every", "2",
+           "--dtype", "float32", "--out", str(out)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+    cfg, model_cfg = resolve(TrainConfig(**SMALL, max_steps=2, eval_every=2), world_size=2)
+    torch.manual_seed(cfg.seed)
+    model = GPT(model_cfg)
+    opt = make_optimizer(model, cfg)
+    tokens = prepare_corpus("synthetic", max_stories=200, verbose=False).tokens("train")
+    ranks = [BatchSampler(tokens, cfg.batch_size, cfg.seq_len, seed=cfg.seed, rank=r, world_size=2) for r in (0, 1)]
+    import contextlib
+
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    for step in range(2):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        xs, ys = zip(*(r.batch(step) for r in ranks))
+        train_step(model, opt, scaler, contextlib.nullcontext(), [(torch.cat(xs), torch.cat(ys))], cfg.grad_clip)
+    ddp = weights(out)
+    for name, p in model.state_dict().items():
+        assert torch.allclose(p, ddp[name], atol=1e-5), name
+
+
+def run_train(*args):
+    return subprocess.run([sys.executable, "-m", "minillm.train", *args], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--preset", "tiny", "--batch-size", "0"], "batch-size"),
+    (["--preset", "tiny", "--seq-len", "1000"], "longer than"),
+    (["--preset", "tiny", "--data", "/no/such/stories.txt", "--max-steps", "1"], "/no/such/stories.txt"),
+    (["--preset", "huge"], "--preset"),
+    (["--preset", "tiny", "--lr", "fast"], "--lr"),
+])
+def test_bad_flags_give_one_line(home, args, words):
+    result = run_train(*args)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0] and "Traceback" not in result.stderr
