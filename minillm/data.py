@@ -211,11 +211,11 @@ class SyntheticSource:
         version = hashlib.sha1(inspect.getsource(synthetic).encode()).hexdigest()[:8]
         self.key = f"synthetic-{version}-seed{seed}"
 
-    def stories(self, split: str, limit: int | None) -> Iterator[str]:
-        want = limit if limit is not None else 200_000
+    def stories(self, split: str, limit: int) -> Iterator[str]:
+        # An endless supply: ``limit`` is always set (see default_max_stories).
         # Draw stories in order and keep those whose hash puts them in this split: identical
         # texts always land in the same split, so train and validation never share a story.
-        return _take_split(generate_stories(sys.maxsize, self.seed), split, want)
+        return _take_split(generate_stories(sys.maxsize, self.seed), split, limit)
 
 
 class FileSource:

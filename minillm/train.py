@@ -18,7 +18,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +70,6 @@ class TrainConfig:
     seed: int = 0
     compile: bool = False
     progress: bool = True
-    extra: dict = field(default_factory=dict)  # free-form notes saved with the checkpoint
 
 
 def resolve(cfg: TrainConfig, world_size: int = 1) -> tuple[TrainConfig, ModelConfig]:
@@ -338,8 +337,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="autocast dtype")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    args = vars(p.parse_args(argv))
-    return TrainConfig(**{k: v for k, v in args.items()})
+    return TrainConfig(**vars(p.parse_args(argv)))
 
 
 def main(argv: list[str] | None = None) -> int:
