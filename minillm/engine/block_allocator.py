@@ -1,0 +1,207 @@
+"""The KV cache as a pool of fixed-size blocks: ``BlockAllocator``.
+
+Chapter 6 kept each sequence's keys and values in one contiguous tensor sized for the longest
+answer it might give, so most of it sat empty. Paging (vLLM's PagedAttention) cuts the cache
+into blocks of ``block_size`` token slots, numbered ``0 .. num_blocks-1``, and gives a sequence
+blocks only as it grows. A sequence's ``block_table`` lists its blocks in order, so token
+position ``p`` lives in slot::
+
+    block_table[p // block_size] * block_size + p % block_size
+
+and at most ``block_size - 1`` slots per sequence are ever wasted.
+
+Blocks can be shared. Each block has a reference count: the number of block tables that hold
+it. With prefix caching, a *full* block whose tokens are all computed gets a hash chained over
+the whole prefix, ``hash((parent_block_hash, tokens_of_this_block))``, so equal hashes mean
+equal tokens at equal positions, hence equal keys and values. A new sequence whose leading
+blocks hash to known blocks shares them (reference count + 1) instead of recomputing them.
+
+Why no block ever needs copy-on-write: only full, computed blocks are shared, and nobody writes
+to a full block again. A sequence only writes at positions ``>= num_computed_tokens``, which
+lie past its shared blocks, in blocks it holds alone.
+
+Freed blocks that carry a hash are kept, not wiped: they sit in an *evictable* set, in least
+recently used order, where a later request can still hit them. They count as free, and are
+reused (and their hash forgotten) only when the plain free list is empty.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence as BlockIds
+
+from minillm.engine.sequence import Sequence
+
+
+def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """The prefix-cache key of one full block: its tokens, and (through ``parent``) every
+    token before it. Python's 64-bit tuple hash is deterministic for integers within a process;
+    a collision would share wrong K/V, which at 2**-64 per pair we accept, as vLLM's default
+    does (vLLM offers SHA-256 where prompts may be adversarial)."""
+    return hash((parent, tokens))
+
+
+class BlockAllocator:
+    """A fixed pool of KV blocks, their reference counts, and the prefix-cache table.
+
+    Public state, for tests and the dashboard: ``ref_counts[b]`` (how many block tables hold
+    block ``b``), ``free_list`` (free blocks with no cached content), ``evictable`` (free blocks
+    whose content is cached, oldest first), ``prefix_queries`` and ``prefix_hits`` (tokens
+    looked up and found at admissions).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.free_list: deque[int] = deque(range(num_blocks))
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self._hash_of: dict[int, int] = {}  # block -> its prefix hash (full, computed blocks)
+        self._cached: dict[int, int] = {}  # prefix hash -> the block that holds it
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # ------------------------------------------------------------------ sizes and statistics
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens: the ceiling of the division."""
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks available now, counting evictable (cached but unowned) ones."""
+        return len(self.free_list) + len(self.evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """The fraction of the pool held by sequences (vLLM's "KV cache usage")."""
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens found in the cache over prompt tokens looked up, at admissions."""
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    # ------------------------------------------------------------------ prefix matching
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks ``seq`` could share: its leading full blocks whose hashes are in
+        the table, stopping at the first miss. Changes nothing.
+
+        At most ``(num_tokens - 1) // block_size`` blocks match, so at least one token is left
+        to compute: the engine needs the logits of the last token to sample the next one, and
+        only running the model on it gives them.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        matched: list[int] = []
+        parent: int | None = None
+        bs = self.block_size
+        for i in range((seq.num_tokens - 1) // bs):
+            parent = chain_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+            block = self._cached.get(parent)
+            if block is None:
+                break
+            matched.append(block)
+        return matched
+
+    # ------------------------------------------------------------------ allocation
+
+    def num_blocks_to_take(self, seq: Sequence, num_tokens: int, shared: BlockIds[int] = ()) -> int:
+        """How many free blocks giving ``seq`` room for ``num_tokens`` tokens would use up: new
+        blocks beyond its table and ``shared``, plus shared blocks that are free right now
+        (evictable ones, which leave the free count once someone holds them)."""
+        fresh = max(0, self.blocks_for(num_tokens) - len(seq.block_table) - len(shared))
+        return fresh + sum(1 for b in shared if self.ref_counts[b] == 0)
+
+    def can_allocate(self, seq: Sequence, num_tokens: int, shared: BlockIds[int] = ()) -> bool:
+        """Whether the pool can give ``seq`` room for ``num_tokens`` tokens now."""
+        return self.num_blocks_to_take(seq, num_tokens, shared) <= self.num_free_blocks
+
+    def admit(self, seq: Sequence, num_tokens: int, shared: BlockIds[int]) -> None:
+        """Give a sequence that holds no blocks its first ones: share ``shared`` (from
+        :meth:`match_prefix`), then add fresh blocks up to ``num_tokens`` tokens. Its computed
+        tokens start at what the shared blocks cover; the lookup is counted in the statistics."""
+        if seq.block_table:
+            raise ValueError(f"request {seq.request_id!r} already holds blocks {seq.block_table}")
+        for block in shared:
+            self.evictable.pop(block, None)
+            self.ref_counts[block] += 1
+        seq.block_table = list(shared)
+        seq.num_computed_tokens = seq.num_cached_prompt_tokens = len(shared) * self.block_size
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += seq.num_cached_prompt_tokens
+        self.grow(seq, num_tokens)
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Append fresh blocks to ``seq``'s table until it holds ``num_tokens`` tokens (check
+        :meth:`can_allocate` first). A decode step needs one more block each time it crosses a
+        block boundary, i.e. once every ``block_size`` tokens."""
+        while len(seq.block_table) * self.block_size < num_tokens:
+            block = self._take_free_block()
+            self.ref_counts[block] = 1
+            seq.block_table.append(block)
+
+    def _take_free_block(self) -> int:
+        """A never-cached free block if there is one; otherwise evict the least recently used
+        cached block, forgetting its hash so it can no longer be hit."""
+        if self.free_list:
+            return self.free_list.popleft()
+        if not self.evictable:
+            raise RuntimeError("out of KV blocks: call can_allocate before allocating")
+        block, _ = self.evictable.popitem(last=False)
+        del self._cached[self._hash_of.pop(block)]
+        return block
+
+    # ------------------------------------------------------------------ caching and freeing
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the blocks of ``seq`` that are full and computed (after its
+        ``num_computed_tokens`` has been advanced) in the prefix cache.
+
+        Blocks get hashes in order, so hashed blocks form a prefix of the table: walk back from
+        the last full block to the first one already hashed, then hash forward. If another
+        block already holds the same prefix (two identical prompts computed in one step), the
+        table keeps the first; this one carries the hash and can take over when freed.
+        """
+        if not self.enable_prefix_caching:
+            return
+        bs, table = self.block_size, seq.block_table
+        end = seq.num_computed_tokens // bs
+        start = end
+        while start > 0 and table[start - 1] not in self._hash_of:
+            start -= 1
+        parent = self._hash_of[table[start - 1]] if start > 0 else None
+        for i in range(start, end):
+            parent = chain_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+            self._hash_of[table[i]] = parent
+            self._cached.setdefault(parent, table[i])
+
+    def free(self, seq: Sequence) -> None:
+        """Give back every block of ``seq`` (its table becomes empty). A block still held by
+        another sequence only loses a reference; one that nobody holds becomes free: evictable
+        if its content is in the cache, plain free otherwise.
+
+        Blocks are released last first, so the tail of a sequence (its least shareable part)
+        is evicted before its prefix, as in vLLM.
+        """
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self._release(block)
+        seq.block_table = []
+
+    def _release(self, block: int) -> None:
+        h = self._hash_of.get(block)
+        if h is not None and self._cached.setdefault(h, block) == block:
+            self.evictable[block] = None
+        else:
+            self._hash_of.pop(block, None)
+            self.free_list.append(block)

@@ -1,0 +1,136 @@
+"""The paged KV cache: one pool of fixed-size blocks shared by every running sequence.
+
+Chapter 6's cache reserves ``max_len`` positions per sequence up front. Here memory is cut
+into blocks of ``block_size`` token slots (vLLM's PagedAttention), and each sequence owns a
+*block table*, the list of blocks holding its positions in order. A sequence grows a block at
+a time, so at most ``block_size - 1`` slots per sequence sit empty, and blocks holding a shared
+prompt prefix can be shared outright.
+
+The pool is two tensors, ``k`` and ``v``, of shape ``[layers, num_blocks, block_size, heads,
+head_dim]``. Viewed as ``[layers, num_slots, heads, head_dim]``, slot ``b * block_size + i``
+is position ``i`` of block ``b``. :class:`PagedAttention` is what the model sees as its
+``cache`` for one step: it writes the step's new keys and values into their slots, then
+gathers each sequence's keys and values back through its block table to attend over them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from minillm.config import ModelConfig
+from minillm.model import fused_attention
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_memory(text: str | int) -> int:
+    """``"6GiB"`` -> 6442450944 bytes; ``"512MB"``, ``"1.5GiB"`` and plain integers also work."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+        unit = match.group(2).lower() if match else None
+        if not match or unit not in _UNITS:
+            raise ValueError(f"cannot read {text!r} as a memory size; write e.g. 512MiB, 6GiB or 2GB")
+        value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"a memory size must be positive, got {text!r}")
+    return value
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """A key and a value vector per layer: ``2 * layers * d_model`` numbers per token."""
+    return 2 * cfg.n_layers * cfg.d_model * torch.empty((), dtype=dtype).element_size()
+
+
+def blocks_for_memory(cfg: ModelConfig, dtype: torch.dtype, block_size: int, memory_bytes: int) -> int:
+    """How many whole blocks fit in ``memory_bytes``."""
+    return memory_bytes // (block_size * kv_bytes_per_token(cfg, dtype))
+
+
+class PagedKVPool:
+    """The block pool's storage. Which block belongs to whom is the allocator's business."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype):
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        shape = (cfg.n_layers, num_blocks, block_size, cfg.n_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s keys and values as ``[num_slots, heads, head_dim]`` views."""
+        n, bs, h, d = self.k.shape[1:]
+        return self.k[layer].view(n * bs, h, d), self.v[layer].view(n * bs, h, d)
+
+
+@dataclass
+class PrefillChunk:
+    """A run of ``num_tokens`` new tokens of one sequence, at ``offset`` in the flat batch,
+    attending over ``slots`` (every position of the sequence up to its last new token)."""
+
+    offset: int
+    num_tokens: int
+    slots: torch.Tensor
+
+
+class PagedAttention:
+    """One step's view of the pool, handed to ``GPT.forward`` as its ``cache``.
+
+    The step's tokens are laid out flat, as one ``[1, N]`` batch: first ``num_decode``
+    single-token chunks (decodes), then the multi-token prefill chunks. Decodes are the hot
+    path and are done together: their block tables are gathered into one padded
+    ``[B, heads, L, head_dim]`` key tensor and masked past each sequence's length. Prefill
+    chunks, a few per step, are done one by one with causal attention over their own prefix.
+    """
+
+    def __init__(
+        self,
+        pool: PagedKVPool,
+        slot_mapping: torch.Tensor,
+        num_decode: int,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        prefills: list[PrefillChunk],
+    ) -> None:
+        self.pool, self.slot_mapping, self.num_decode = pool, slot_mapping, num_decode
+        self.block_tables, self.prefills = block_tables, prefills
+        if num_decode:
+            width = block_tables.shape[1] * pool.block_size
+            positions = torch.arange(width, device=seq_lens.device)
+            self.decode_mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_slots, v_slots = self.pool.slots(layer)
+        # [1, heads, N, head_dim] -> [N, heads, head_dim], then into each token's slot
+        k_slots.index_copy_(0, self.slot_mapping, k[0].transpose(0, 1))
+        v_slots.index_copy_(0, self.slot_mapping, v[0].transpose(0, 1))
+        out = torch.empty_like(q)
+        if self.num_decode:
+            out[:, :, : self.num_decode] = self._decode(layer, q[0, :, : self.num_decode]).transpose(0, 1)[None]
+        for chunk in self.prefills:
+            rows = slice(chunk.offset, chunk.offset + chunk.num_tokens)
+            keys = k_slots.index_select(0, chunk.slots).transpose(0, 1)[None]
+            values = v_slots.index_select(0, chunk.slots).transpose(0, 1)[None]
+            out[:, :, rows] = fused_attention(q[:, :, rows], keys, values)
+        return out
+
+    def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """``q`` is ``[heads, B, head_dim]``; returns ``[B, heads, head_dim]``."""
+        b = q.shape[1]
+        blocks = self.block_tables.flatten()
+        _, _, bs, h, d = self.pool.k.shape
+        keys = self.pool.k[layer].index_select(0, blocks).view(b, -1, h, d).transpose(1, 2)
+        values = self.pool.v[layer].index_select(0, blocks).view(b, -1, h, d).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[:, :, None], keys, values, attn_mask=self.decode_mask
+        )
+        return out[:, :, 0]

@@ -1,0 +1,120 @@
+"""``LLM``: the engine for a fixed batch of prompts, vLLM's offline API in miniature.
+
+    llm = LLM("checkpoints/cpu")                       # or LLM(model) for a GPT module
+    outs = llm.generate(["Once upon a time"], SamplingParams(max_tokens=40, temperature=0))
+    print(outs[0].text)
+
+Every prompt is queued at once; the engine then steps until all are done, so the batch the
+model sees is as large as memory and budgets allow, and shrinks only as requests finish.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from minillm.checkpoint import load_model
+from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.model import GPT
+from minillm.sampling import SamplingParams
+from minillm.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class CompletionOutput:
+    """One prompt's result: the generated text and tokens, and why generation ended."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``"bf16"`` -> ``torch.bfloat16``; ``None`` keeps the model's own."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}") from None
+
+
+class LLM:
+    """A model and an engine around it. ``model`` is a ``GPT`` (moved to ``device``/``dtype``
+    in place) or a checkpoint path; the other keywords are :class:`EngineConfig` fields."""
+
+    def __init__(
+        self,
+        model: GPT | str | Path,
+        *,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        tokenizer: Tokenizer | None = None,
+        **engine_options: object,
+    ) -> None:
+        if not isinstance(model, GPT):
+            model = load_model(model, device or "cpu")
+        model.to(device=device, dtype=resolve_dtype(dtype))
+        self.engine = LLMEngine(model, EngineConfig(**engine_options), tokenizer)  # type: ignore[arg-type]
+        self._next_id = 0
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[int] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[CompletionOutput]:
+        """Complete every prompt; outputs come back in the prompts' order."""
+        batch = _as_prompt_list(prompts)
+        per_prompt = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
+        if len(per_prompt) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(per_prompt)} SamplingParams")
+        ids, texts, order = {}, {}, []
+        for prompt, p in zip(batch, per_prompt):
+            rid = f"offline-{self._next_id}"
+            self._next_id += 1
+            ids[rid] = self.engine.add_request(rid, prompt, p)
+            texts[rid] = []
+            order.append(rid)
+        finished: dict[str, str] = {}
+        bar = tqdm(total=len(batch), desc="generate", unit="req", disable=not use_tqdm)
+        start, before = time.perf_counter(), self.engine.stats()
+        while self.engine.has_unfinished:
+            for out in self.engine.step():
+                texts[out.request_id].append(out.new_text)
+                if out.finished:
+                    finished[out.request_id] = out.finish_reason or ""
+                    bar.update(1)
+            bar.set_postfix_str(_rates(before, self.engine.stats(), time.perf_counter() - start), refresh=False)
+        bar.close()
+        return [
+            CompletionOutput(
+                ids[r].token_ids[: ids[r].prompt_len], ids[r].output_ids, "".join(texts[r]), finished[r]
+            )
+            for r in order
+        ]
+
+
+def _as_prompt_list(prompts: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # one prompt given as token ids
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _rates(before, after, seconds: float) -> str:
+    """Prefill and decode tokens per second since ``before``, for the progress bar."""
+    seconds = max(seconds, 1e-9)
+    prefill = (after.prefill_tokens - before.prefill_tokens) / seconds
+    decode = (after.generated_tokens - before.generated_tokens) / seconds
+    return f"prefill {prefill:,.0f} tok/s, decode {decode:,.0f} tok/s"

@@ -1,0 +1,110 @@
+"""The model runner: turns the scheduler's decision for one step into tensors and tokens.
+
+For each scheduled chunk (a sequence and a run of its tokens to compute) it lays the tokens
+out flat, with their positions and the pool slots their keys and values go to, builds the
+block tables the attention reads through, runs the *same* ``GPT`` the training chapter built,
+once, and samples a token for every chunk that reaches the end of its sequence. The LM head,
+a ``d_model x 50,257`` matmul per token, runs only on those rows: a 200-token prompt pays for
+it once, not 200 times.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minillm.engine.kv_cache import PagedAttention, PagedKVPool, PrefillChunk
+from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
+from minillm.model import GPT
+from minillm.sampling import make_generator, sample
+
+
+class ModelRunner:
+    """Owns the model and the KV pool's storage; knows nothing about who is waiting."""
+
+    def __init__(self, model: GPT, pool: PagedKVPool) -> None:
+        self.model, self.pool = model, pool
+        self.device = model.tok_emb.weight.device
+        self._generators: dict[str, torch.Generator | None] = {}
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's random generator."""
+        self._generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> list[int | None]:
+        """Run one step; returns, per chunk in ``output.chunks`` order, the sampled token, or
+        ``None`` for a chunk that does not reach its sequence's end (a partial prefill)."""
+        decodes = [c for c in output.chunks if c.num_tokens == 1]
+        prefills = [c for c in output.chunks if c.num_tokens > 1]
+        ordered = decodes + prefills
+        tokens, positions, slots = self._flatten(ordered)
+        attention = PagedAttention(
+            self.pool,
+            slots,
+            len(decodes),
+            *self._block_tables(decodes),
+            self._prefill_chunks(prefills, offset=len(decodes)),
+        )
+        hidden = self.model.hidden_states(tokens[None], positions[None], attention)[0]
+        ends = torch.tensor(_cumulative_ends(ordered), device=self.device)
+        wanted = [i for i, c in enumerate(ordered) if c.samples]
+        sampled: dict[int, int] = {}
+        if wanted:
+            logits = self.model.logits(hidden[ends[wanted] - 1]).float()
+            params = [ordered[i].seq.params for i in wanted]
+            generators = [self._generator(ordered[i]) for i in wanted]
+            for i, token in zip(wanted, sample(logits, params, generators).tolist()):
+                sampled[id(ordered[i])] = token
+        return [sampled.get(id(c)) for c in output.chunks]
+
+    def _flatten(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        bs = self.pool.block_size
+        for c in chunks:
+            span = range(c.start, c.start + c.num_tokens)
+            tokens += c.seq.token_ids[c.start : c.start + c.num_tokens]
+            positions += span
+            table = c.seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in span]
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        return as_tensor(tokens), as_tensor(positions), as_tensor(slots)
+
+    def _block_tables(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decodes' block tables padded to the longest with block 0 (masked out by length),
+        and each sequence's length including the token being decoded."""
+        bs = self.pool.block_size
+        lengths = [c.start + 1 for c in decodes]
+        width = max(((n + bs - 1) // bs for n in lengths), default=0)
+        tables = [c.seq.block_table[: (n + bs - 1) // bs] for c, n in zip(decodes, lengths)]
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        return (
+            torch.tensor(padded, dtype=torch.long, device=self.device).view(len(decodes), width),
+            torch.tensor(lengths, dtype=torch.long, device=self.device),
+        )
+
+    def _prefill_chunks(self, prefills: list[ScheduledChunk], offset: int) -> list[PrefillChunk]:
+        bs = self.pool.block_size
+        chunks = []
+        for c in prefills:
+            end = c.start + c.num_tokens
+            blocks = torch.tensor(c.seq.block_table[: (end + bs - 1) // bs], dtype=torch.long, device=self.device)
+            slots = (blocks[:, None] * bs + torch.arange(bs, device=self.device)).flatten()[:end]
+            chunks.append(PrefillChunk(offset, c.num_tokens, slots))
+            offset += c.num_tokens
+        return chunks
+
+    def _generator(self, chunk: ScheduledChunk) -> torch.Generator | None:
+        rid = chunk.seq.request_id
+        if rid not in self._generators:
+            self._generators[rid] = make_generator(chunk.seq.params, self.device)
+        return self._generators[rid]
+
+
+def _cumulative_ends(chunks: list[ScheduledChunk]) -> list[int]:
+    ends, total = [], 0
+    for c in chunks:
+        total += c.num_tokens
+        ends.append(total)
+    return ends

@@ -1,0 +1,299 @@
+"""Who runs this step: the ``Scheduler``.
+
+Continuous batching (chapter 7) decides afresh at every step which sequences go through the
+model. Paging (chapter 8) adds a second resource besides compute: KV blocks. Each step the
+scheduler builds one batch under three limits, ``max_num_seqs`` sequences running,
+``max_num_batched_tokens`` tokens computed, and the free blocks of the pool, as vLLM does:
+
+1. Running sequences first, oldest first. Each needs one chunk: a decode (its last token,
+   the one just sampled, whose K/V is not computed yet) or, if its prompt is being prefilled
+   in pieces, the next piece. Each needs slots for the new tokens; when the pool runs dry,
+   the *newest* running sequence is preempted: its blocks are freed and it goes back to the
+   front of the queue, to be recomputed later over prompt + output so far (recompute is
+   cheaper than it sounds: a prefill is one big, efficient matrix multiply, and the prefix
+   cache often gives much of it back).
+2. Then, if nobody was preempted (memory is tight, so admitting more would only thrash),
+   waiting sequences in arrival order (FCFS) while the limits allow. Prefix-cache hits cost
+   no compute, so only the tokens after them count against the budget. With chunked prefill
+   a prompt larger than the remaining budget starts with a partial chunk. The first request
+   that does not fit stops admission: nobody overtakes it, so nobody starves.
+
+A request that could never run (an empty prompt, a prompt that fills the context, or one
+needing more blocks than the pool holds) is refused at :meth:`Scheduler.add`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from minillm.engine.block_allocator import BlockAllocator
+from minillm.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """Compute K/V for ``seq.token_ids[start : start + num_tokens]``, at positions
+    ``start .. start + num_tokens - 1``.
+
+    ``samples``: this chunk ends at the sequence's last token, so its logits give the next
+    token. A decode chunk has ``num_tokens == 1``; a chunked prefill's earlier pieces do not
+    sample. It is fixed when the chunk is made, so it stays right after the engine appends.
+    """
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch: the chunks to run, and who was preempted to make room for them."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0  # the sum of the chunks' sizes
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+    def add(self, chunk: ScheduledChunk) -> None:
+        self.chunks.append(chunk)
+        self.num_batched_tokens += chunk.num_tokens
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot for the server's metrics, named as an operator of vLLM would expect."""
+
+    num_running: int
+    num_waiting: int
+    num_preemptions: int  # since the scheduler started
+    num_used_blocks: int
+    num_blocks: int
+    kv_cache_usage: float  # fraction of blocks held by sequences
+    prefix_cache_hit_rate: float  # prompt tokens found in the cache / looked up
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served, refused on arrival rather than queued forever."""
+
+
+class Scheduler:
+    """Admission, the token budget and preemption by recompute, over one ``BlockAllocator``.
+
+    ``waiting`` is FCFS (preempted sequences re-enter at the front); ``running`` is in
+    admission order, so its last element is the newest, the first to be preempted.
+    """
+
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        *,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        if min(max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
+            raise ValueError(
+                "max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1, got "
+                f"{max_num_seqs}, {max_num_batched_tokens}, {max_model_len}"
+            )
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._requests: dict[str, Sequence] = {}  # unfinished requests by id, for abort
+
+    # ------------------------------------------------------------------ arrival
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request, or raise :class:`RequestRejected` saying why it can never run."""
+        reason = self._rejection(seq)
+        if reason is not None:
+            raise RequestRejected(f"request {seq.request_id!r} rejected: {reason}")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self._requests[seq.request_id] = seq
+
+    def _rejection(self, seq: Sequence) -> str | None:
+        """Why ``seq`` could never run, or None. Each check guards a way to wait forever."""
+        p, limit, bs = seq.prompt_len, self.max_model_len, self.allocator.block_size
+        if seq.request_id in self._requests:
+            return "this request id is already in use"
+        if p == 0:
+            return "the prompt is empty; a request needs at least one token"
+        if p >= limit:
+            return f"the prompt has {p} tokens but max_model_len is {limit}, leaving no room to generate"
+        if not self.enable_chunked_prefill and p > self.max_num_batched_tokens:
+            return (
+                f"the prompt has {p} tokens, more than max_num_batched_tokens={self.max_num_batched_tokens}, "
+                "and chunked prefill is off"
+            )
+        total = min(p + seq.params.max_tokens, limit)
+        need = self.allocator.blocks_for(total)
+        if need > self.allocator.num_blocks:
+            return (
+                f"up to {total} tokens (prompt + max_tokens, at most max_model_len={limit}) need {need} "
+                f"KV blocks of {bs} tokens, but the pool holds only num_blocks={self.allocator.num_blocks}"
+            )
+        return None
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        """Choose this step's chunks: running sequences first, then admissions (see the module
+        docstring). Blocks for every chunk are allocated before it is returned."""
+        out = SchedulerOutput()
+        self._schedule_running(out)
+        if not out.preempted:
+            self._admit_waiting(out, now)
+        return out
+
+    def _budget_left(self, out: SchedulerOutput) -> int:
+        return self.max_num_batched_tokens - out.num_batched_tokens
+
+    def _schedule_running(self, out: SchedulerOutput) -> None:
+        """One chunk per running sequence, oldest first, while the token budget lasts.
+        Preemption takes sequences from the end of ``running``, which this loop has not
+        reached yet, so no scheduled chunk ever loses its blocks."""
+        i = 0
+        while i < len(self.running) and self._budget_left(out) > 0:
+            seq = self.running[i]
+            end = min(seq.num_tokens, seq.num_computed_tokens + self._budget_left(out))
+            if not self._make_room(seq, end, out):
+                break  # seq itself was the newest and is now preempted: nobody after it
+            out.add(ScheduledChunk(seq, seq.num_computed_tokens, end - seq.num_computed_tokens))
+            i += 1
+
+    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Give ``seq`` blocks for ``num_tokens`` tokens, preempting the newest running
+        sequences until it fits. False if ``seq`` itself had to go."""
+        while not self.allocator.can_allocate(seq, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        self.allocator.grow(seq, num_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Take back all of ``seq``'s blocks and queue it first, to recompute later. Its
+        tokens are kept, so the recompute is simply a prefill of prompt + output so far (its
+        full blocks stay in the prefix cache until evicted, so it may get many back)."""
+        self.running.remove(seq)
+        self.allocator.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def _admit_waiting(self, out: SchedulerOutput, now: float) -> None:
+        """Admit waiting sequences in order until the first that does not fit."""
+        while self.waiting and len(self.running) < self.max_num_seqs and self._budget_left(out) > 0:
+            seq = self.waiting[0]
+            shared = self.allocator.match_prefix(seq)
+            start = len(shared) * self.allocator.block_size
+            num_tokens = self._first_chunk_size(seq.num_tokens - start, self._budget_left(out))
+            if num_tokens == 0 or not self.allocator.can_allocate(seq, start + num_tokens, shared):
+                return
+            self.waiting.popleft()
+            self.allocator.admit(seq, start + num_tokens, shared)
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            self.running.append(seq)
+            out.add(ScheduledChunk(seq, start, num_tokens))
+
+    def _first_chunk_size(self, to_compute: int, budget: int) -> int:
+        """Tokens to compute at admission, or 0 if the sequence must wait for a later step.
+
+        Without chunked prefill a prefill runs whole, except one that could never fit in a
+        step: a preempted sequence whose prompt + output outgrew the budget. It is recomputed
+        in pieces rather than starved (a new prompt that large was refused at ``add``).
+        """
+        if to_compute <= budget:
+            return to_compute
+        if self.enable_chunked_prefill or to_compute > self.max_num_batched_tokens:
+            return budget
+        return 0
+
+    # ------------------------------------------------------------------ after the model ran
+
+    def postprocess(self, output: SchedulerOutput, now: float) -> list[Sequence]:
+        """Account for a step the engine has run (and whose sampled tokens it has appended,
+        finishing some sequences): advance each chunk's computed tokens, put newly full blocks
+        in the prefix cache, and retire finished sequences, freeing their blocks. Returns the
+        sequences that finished. ``now`` is the step's end time, kept in the signature so the
+        engine's call stays the same for policies that use it (this one needs no clock).
+
+        A sequence aborted while the step ran was already retired by :meth:`abort`: skipped.
+        """
+        finished = []
+        for chunk in output.chunks:
+            seq = chunk.seq
+            if seq.finish_reason is FinishReason.ABORT:
+                continue
+            seq.num_computed_tokens += chunk.num_tokens
+            self.allocator.commit(seq)  # before freeing, so a finished prompt can still be hit
+            if seq.is_finished:
+                self.allocator.free(seq)
+                del self._requests[seq.request_id]
+                finished.append(seq)
+        if finished:
+            self.running = [s for s in self.running if not s.is_finished]
+        return finished
+
+    def abort(self, request_id: str, now: float) -> Sequence | None:
+        """Finish a waiting or running request with ``"abort"`` and free its blocks. Returns
+        it, or None if there is no such unfinished request (a request that has just finished
+        keeps its real finish reason; the next :meth:`postprocess` retires it)."""
+        seq = self._requests.get(request_id)
+        if seq is None or seq.is_finished:
+            return None
+        del self._requests[request_id]
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.allocator.free(seq)
+        seq.finish(FinishReason.ABORT, now)
+        return seq
+
+    # ------------------------------------------------------------------ statistics
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def stats(self) -> SchedulerStats:
+        a = self.allocator
+        return SchedulerStats(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            num_preemptions=self.num_preemptions,
+            num_used_blocks=a.num_used_blocks,
+            num_blocks=a.num_blocks,
+            kv_cache_usage=a.usage,
+            prefix_cache_hit_rate=a.prefix_hit_rate,
+        )

@@ -1,0 +1,126 @@
+"""One request's state, from arrival to finish: the ``Sequence``.
+
+A request is a prompt plus the tokens generated so far, kept in one list, ``token_ids``, so
+that a sequence which has to be recomputed after a preemption is simply "a longer prompt". The
+rest is bookkeeping that the scheduler and the allocator need:
+
+- ``status``: WAITING (queued), RUNNING (holds KV blocks), PREEMPTED (queued again after its
+  blocks were taken back), FINISHED.
+- ``block_table``: the physical KV blocks holding this sequence's keys and values, in order.
+- ``num_computed_tokens``: how many leading tokens already have their K/V in those blocks.
+  Everything after them still has to go through the model.
+- timestamps, so the server can report queue time, time to first token and inter-token latency.
+
+The one rule that is not bookkeeping lives in :meth:`Sequence.append_token`: when to stop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from minillm.sampling import SamplingParams
+
+
+class SequenceStatus(Enum):
+    """Where a sequence is in its life. Only RUNNING sequences hold KV blocks."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again: its blocks were freed, it will be recomputed
+    FINISHED = "finished"
+
+
+class FinishReason(str, Enum):
+    """Why generation ended, with the strings OpenAI's API uses for ``finish_reason``."""
+
+    STOP = "stop"  # the end-of-text token, a stop token id, or a stop string
+    LENGTH = "length"  # max_tokens generated, or the model's context is full
+    ABORT = "abort"  # the client went away or cancelled
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request being served. ``eq=False``: two requests with the same tokens are still two
+    requests, so sequences compare (and hash) by identity and can live in sets and dicts.
+
+    ``max_model_len`` is the model's context: ``num_tokens`` never exceeds it, because the
+    position embedding has no row for a position beyond it.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    prompt_len: int
+    params: SamplingParams
+    max_model_len: int
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # prefix-cache hit, in tokens, at the last admission
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+
+    @classmethod
+    def from_prompt(
+        cls,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_model_len: int,
+        eos_token_id: int | None = None,
+        arrival_time: float = 0.0,
+    ) -> Sequence:
+        """A new, waiting sequence whose tokens so far are a copy of ``prompt_ids``."""
+        ids = list(prompt_ids)
+        return cls(request_id, ids, len(ids), params, max_model_len, eos_token_id, arrival_time)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token: int, now: float) -> None:
+        """Add one sampled token, record when it came, and finish if it ends the request.
+
+        A stop wins over a length limit when one token is both (an end-of-text token that is
+        also the last allowed one reports ``"stop"``, as vLLM and OpenAI do). Appending to a
+        finished sequence is a bug in the caller (for example a sequence aborted while its
+        step ran), so it raises instead of silently growing a finished answer.
+        """
+        if self.is_finished:
+            raise RuntimeError(f"request {self.request_id!r} is finished ({self.finish_reason}); cannot append")
+        self.token_ids.append(token)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.token_times.append(now)
+        if self._is_stop_token(token):
+            self.finish(FinishReason.STOP, now)
+        elif self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
+            self.finish(FinishReason.LENGTH, now)
+
+    def _is_stop_token(self, token: int) -> bool:
+        eos = token == self.eos_token_id and not self.params.ignore_eos
+        return eos or token in self.params.stop_token_ids
+
+    def finish(self, reason: FinishReason, now: float) -> None:
+        """Mark the request done. Its blocks are returned by the scheduler, which owns them."""
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.finish_time = now

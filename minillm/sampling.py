@@ -1,0 +1,215 @@
+"""How a request wants its tokens chosen, and the sampler that chooses them.
+
+:class:`SamplingParams` holds one request's settings, checked once, on arrival. Every field
+has the meaning it has in OpenAI's API and in vLLM, so the server can pass a request's JSON
+straight through. Invalid values raise ``ValueError`` naming the field, which the server
+turns into an HTTP 400.
+
+:func:`sample` turns one step's logits, one row per running request, into one token per row.
+Greedy rows cost one batched ``argmax``. Each sampled row draws from its own
+``torch.Generator`` (:func:`make_generator`), so a seeded request produces the same tokens
+whatever else shares its batch: batching is the server's business, never the user's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """One request's decoding settings.
+
+    - ``max_tokens``: the most tokens to generate (the finish reason is ``"length"`` when hit).
+    - ``temperature``: 0 means greedy (always the most likely token); higher is more random.
+    - ``top_k``: keep only the k most likely tokens (``None`` or 0: all of them).
+    - ``top_p``: keep the smallest set of tokens whose probabilities sum to at least p.
+    - ``stop``: strings that end generation; the text returned stops before them.
+    - ``stop_token_ids``: token ids that end generation (kept in the output ids).
+    - ``ignore_eos``: keep going past the end-of-text token (load tests use it to fix lengths).
+    - ``seed``: a per-request random generator, so a seeded request gives the same text
+      whatever else shares its batch.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = None
+        problems = [
+            (not _is_int(self.max_tokens) or self.max_tokens < 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
+            (not _is_number(self.temperature) or self.temperature < 0, f"temperature must be a number >= 0, got {self.temperature!r}"),
+            (self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1), f"top_k must be an integer >= 1 (or 0/None for all), got {self.top_k!r}"),
+            (not _is_number(self.top_p) or not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
+            (not all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}"),
+            (not all(_is_int(t) and t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}"),
+            (not isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}"),
+            (self.seed is not None and not _is_int(self.seed), f"seed must be an integer, got {self.seed!r}"),
+        ]
+        for bad, message in problems:
+            if bad:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        """True when the choice is always the most likely token: temperature 0, or top-k 1
+        (one candidate left, whatever the temperature), so no random draw is needed."""
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def filters(self) -> bool:
+        """True when top-k or top-p narrows the candidates, so the sampler must rank them."""
+        return self.top_k is not None or self.top_p < 1
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
+
+
+def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
+    """The random generator a request keeps for its whole life, on the logits' ``device``.
+
+    Greedy requests draw nothing and get none. A seeded request's generator starts from its
+    seed, so its tokens depend on nothing else. An unseeded sampled request gets a generator
+    seeded from torch's global generator: random from run to run (torch seeds that one from
+    the operating system), yet reproducible after ``torch.manual_seed``, and still its own
+    stream, untouched by how many neighbours draw before it in a step.
+    """
+    if params.greedy:
+        return None
+    seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,)))
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+@torch.no_grad()
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """One token per row of ``logits`` (``[n, vocab]``): a ``long`` tensor ``[n]``, same device.
+
+    Row ``i`` follows ``params[i]`` and draws from ``generators[i]`` (``None``: torch's global
+    generator). Greedy rows are answered by one ``argmax`` over the whole batch; only the
+    sampled rows go through temperature, top-k, top-p and a draw. A single request is the
+    case ``n == 1``: ``int(sample(row[None], [params], [generator])[0])``.
+    """
+    if not len(params) == len(generators) == logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} rows of logits, {len(params)} params, {len(generators)} generators")
+    tokens = logits.argmax(dim=-1)
+    for rows in _sampled_groups(params):
+        index = torch.tensor(rows, device=logits.device)
+        drawn = _sample_rows(logits[index].float(), [params[i] for i in rows], [generators[i] for i in rows])
+        tokens[index] = drawn
+    return tokens
+
+
+def _sampled_groups(params: list[SamplingParams]) -> list[list[int]]:
+    """The sampled rows, split into those that filter (top-k or top-p) and those that don't.
+
+    A draw inverts the CDF over the candidates in the order they are laid out: vocabulary
+    order for plain rows, largest first for filtering ones. Keeping the two apart means that
+    order depends on a row's own settings only, never on its neighbours', so a seeded row's
+    uniform number always lands on the same token.
+    """
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    plain = [i for i in sampled if not params[i].filters]
+    filtering = [i for i in sampled if params[i].filters]
+    return [rows for rows in (plain, filtering) if rows]
+
+
+def _sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, then one draw per row by inverting its CDF.
+
+    ``logits`` holds rows that all filter or none that do (see :func:`_sampled_groups`).
+    """
+    device, vocab = logits.device, logits.shape[-1]
+    temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
+    probs = torch.softmax(logits / temperature, dim=-1)
+    order = None
+    if params[0].filters:
+        top_k = torch.tensor([p.top_k or vocab for p in params], device=device)[:, None]
+        top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+        probs, order = _largest_first(probs, top_k, top_p)
+        probs = _filter(probs, top_k, top_p, vocab)
+    picked = _invert_cdf(probs, _uniforms(generators, device))
+    return picked if order is None else order.gather(1, picked[:, None])[:, 0]
+
+
+def _largest_first(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' probabilities, largest first, with their token ids, as far as the filters
+    can reach.
+
+    Sorting all 50,257 is the dearest step on a CPU (milliseconds a row), while a trained
+    model's nucleus rarely holds more than a few hundred tokens. So take the largest 256,
+    then 4,096, and sort everything only when some row's top-k, or its nucleus (top-p
+    without top-k), reaches further. A row's own prefix is the same whatever the width.
+    """
+    vocab, width = probs.shape[-1], 256
+    while width < vocab:
+        values, order = torch.topk(probs, width, dim=-1)
+        nucleus_inside = (top_k >= vocab) & (values.sum(dim=-1, keepdim=True) >= top_p)
+        if bool(((top_k <= width) | nucleus_inside).all()):
+            return _ties_in_vocabulary_order(values, order)
+        width *= 16
+    return torch.sort(probs, dim=-1, descending=True, stable=True)
+
+
+def _ties_in_vocabulary_order(values: torch.Tensor, order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Put tied candidates from ``topk`` back in vocabulary order, as the stable full sort
+    leaves them. ``topk`` orders ties as it likes, differently for different widths; with
+    half-precision logits ties are common, and a seeded row must not change its token
+    because a neighbour made the batch rank wider."""
+    order, by_id = order.sort(dim=-1)
+    values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    return values, order.gather(1, by_value)
+
+
+def _filter(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Zero every probability outside each row's top-k, then outside its nucleus.
+
+    ``probs`` is sorted largest first and normalised over the whole vocabulary. The nucleus
+    is the smallest set whose mass reaches ``top_p`` of what top-k kept: a token stays while
+    the mass before it is still short of that, so the most likely token always stays. Rows
+    with ``top_p == 1`` skip the test, lest rounding in the running sum cut the far tail.
+    """
+    rank = torch.arange(probs.shape[-1], device=probs.device)
+    probs = probs * (rank < top_k)
+    kept_by_top_k = torch.where(top_k < vocab, probs.sum(dim=-1, keepdim=True), 1.0)
+    mass_before = probs.cumsum(dim=-1) - probs
+    return probs * ((mass_before < top_p * kept_by_top_k) | (top_p >= 1))
+
+
+def _uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """One uniform number in [0, 1) per row, each from that row's own generator."""
+    draws = [torch.rand(1, generator=g, device=g.device if g is not None else device) for g in generators]
+    return torch.cat([d.to(device) for d in draws])
+
+
+def _invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Column ``j`` of each row with ``cdf[j-1] <= u * total < cdf[j]``: a draw from the row's
+    (unnormalised) distribution, so only a column with positive probability can be picked.
+    Should rounding ever put the target at the total, the clamp picks the last such column
+    (the first where the CDF reaches its total)."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    picked = torch.searchsorted(cdf, u[:, None] * total, right=True)[:, 0]
+    last_positive = (cdf < total).sum(dim=-1)
+    return torch.minimum(picked, last_positive)
