@@ -3,6 +3,7 @@
 #   make test   - the whole suite: unit tests, then every notebook under nbval
 #   make lab    - JupyterLab on notebooks/
 #   make book   - the HTML book, offline, into _build/html
+#   make bench  - the engine benchmark (every generation method, one workload) into benchmarks/results
 
 PYTHON ?= python3
 VENV   := .venv
@@ -11,7 +12,7 @@ PIP    := $(PY) -m pip install --progress-bar off --quiet
 BASE   := $(VENV)/.installed-base
 DEV    := $(VENV)/.installed-dev
 
-.PHONY: serve test test-unit test-notebooks lab book clean
+.PHONY: serve test test-unit test-notebooks lab book bench clean
 
 serve: $(BASE)
 	$(PY) -m minillm
@@ -26,6 +27,9 @@ test-notebooks: $(DEV)
 
 lab: $(DEV)
 	$(PY) -m jupyter lab notebooks/
+
+bench: $(DEV)
+	$(PY) -m minillm.bench engine
 
 book: $(DEV)
 	$(VENV)/bin/jupyter-book build --warningiserror --nitpick --keep-going .

@@ -20,7 +20,7 @@ from minillm.detokenizer import IncrementalDetokenizer
 from minillm.engine.block_allocator import BlockAllocator
 from minillm.engine.kv_cache import PagedKVPool, blocks_for_memory, parse_memory
 from minillm.engine.model_runner import ModelRunner
-from minillm.engine.scheduler import Scheduler
+from minillm.engine.scheduler import Scheduler, SchedulerOutput
 from minillm.engine.sequence import FinishReason, Sequence
 from minillm.model import GPT
 from minillm.sampling import SamplingParams
@@ -90,6 +90,7 @@ class EngineStats:
     waiting: int
     kv_blocks_used: int
     kv_blocks_total: int
+    kv_tokens: int  # slots holding a computed token, over the running sequences
     preemptions: int
     prefix_cache_hit_rate: float
     steps: int
@@ -123,6 +124,7 @@ class LLMEngine:
         self._sequences: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._steps = self._prefill_tokens = self._generated = 0
+        self.last_step: SchedulerOutput | None = None  # what the latest step ran, for timelines and dashboards
 
     def add_request(
         self,
@@ -156,6 +158,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns an output for every request that advanced."""
         output = self.scheduler.schedule(time.monotonic())
+        self.last_step = output
         if output.is_empty:
             return []
         tokens = self.runner.execute(output)
@@ -215,6 +218,7 @@ class LLMEngine:
             waiting=self.scheduler.num_waiting,
             kv_blocks_used=self.allocator.num_used_blocks,
             kv_blocks_total=self.allocator.num_blocks,
+            kv_tokens=sum(seq.num_computed_tokens for seq in self.scheduler.running),
             preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_rate=self.allocator.prefix_hit_rate,
             steps=self._steps,

@@ -1,0 +1,147 @@
+"""``python -m minillm.bench engine [options]``: run a benchmark, print its table, save JSON and a plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from minillm.bench import engine as eb
+from minillm.checkpoint import CHECKPOINT_NAME, load_model, preset_dir
+from minillm.cli import ArgumentParser, UsageError, run
+from minillm.config import PRESETS, get_preset
+from minillm.engine.llm import resolve_dtype
+from minillm.hardware import default_device, device_name
+from minillm.model import GPT
+from minillm.settings import project_root, quick
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """``"16:256"`` -> (16, 256); ``"64"`` -> (64, 64)."""
+    try:
+        lo, _, hi = text.partition(":")
+        low, high = int(lo), int(hi or lo)
+    except ValueError:
+        raise UsageError(f"a length range looks like 16:256, not {text!r}") from None
+    if not 1 <= low <= high:
+        raise UsageError(f"a length range needs 1 <= low <= high, got {text!r}")
+    return low, high
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m minillm.bench", description="Benchmarks of the minillm engine.")
+    sub = p.add_subparsers(dest="bench", required=True)
+    e = sub.add_parser("engine", help="every generation method on one workload")
+    e.add_argument("--preset", default="tinystories-50m", choices=sorted(PRESETS))
+    e.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16, float16")
+    e.add_argument("--num-requests", type=int, default=64)
+    e.add_argument("--input-len", default="16:256", help="prompt lengths, uniform in LOW:HIGH")
+    e.add_argument("--output-len", default="16:256", help="output lengths, uniform in LOW:HIGH")
+    e.add_argument("--baseline-requests", type=int, default=6, help="requests for the slow one-at-a-time loops")
+    e.add_argument("--static-batch", type=int, default=32)
+    e.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    e.add_argument("--device", default=None)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
+    e.add_argument("--smoke", action="store_true", help="a tiny run that checks the benchmark works (CI)")
+    return p
+
+
+def load_weights(preset: str, device: torch.device) -> tuple[GPT, str]:
+    """The preset's trained weights if there are any, else random ones: speed does not care."""
+    path = preset_dir(preset) / CHECKPOINT_NAME
+    if path.is_file():
+        return load_model(path, device), str(path)
+    torch.manual_seed(0)
+    return GPT(get_preset(preset)).to(device).eval(), "random weights"
+
+
+def bench_engine(args) -> dict:
+    if args.smoke or quick():
+        args.preset, args.num_requests, args.baseline_requests, args.static_batch = "tiny", 6, 2, 3
+        args.input_len, args.output_len = "4:24", "4:24"
+    if args.num_requests < 1 or args.baseline_requests < 1 or args.static_batch < 1:
+        raise UsageError("--num-requests, --baseline-requests and --static-batch must be at least 1")
+    dtypes = [resolve_dtype(d.strip()) for d in args.dtypes.split(",")] if args.dtypes else []
+    device = torch.device(args.device) if args.device else default_device()
+    cfg = get_preset(args.preset)
+    lo_in, hi_in = parse_range(args.input_len)
+    lo_out, hi_out = parse_range(args.output_len)
+    if hi_in + hi_out > cfg.context_length:
+        raise UsageError(f"longest prompt + output ({hi_in + hi_out}) exceeds the {args.preset} context of {cfg.context_length}")
+    workload = eb.Workload.uniform(args.num_requests, (lo_in, hi_in), (lo_out, hi_out), cfg.vocab_size, args.seed)
+    report = {"device": device_name(device), "preset": args.preset, "num_requests": args.num_requests,
+              "input_len": [lo_in, hi_in], "output_len": [lo_out, hi_out], "runs": {}}
+    for dtype in dtypes:
+        model, source = load_weights(args.preset, device)
+        model.to(dtype)
+        report["weights"] = source
+        print(f"\n== {args.preset} ({source}), {dtype}, {device_name(device)} ==", flush=True)
+        report["runs"][str(dtype).removeprefix("torch.")] = run_all(model, workload, args)
+    return report
+
+
+def run_all(model: GPT, workload: eb.Workload, args) -> dict:
+    few = workload.head(args.baseline_requests)
+    results = [eb.run_naive(model, few), eb.run_kv_cache(model, few), eb.run_static(model, workload, args.static_batch)]
+    for r in results:
+        print(f"  {r.method:<44} {r.tokens_per_s:>9,.1f} tok/s", flush=True)
+    paged, waste = eb.run_engine(model, workload)
+    results.append(paged)
+    print(f"  {paged.method:<44} {paged.tokens_per_s:>9,.1f} tok/s", flush=True)
+    hf = None if args.no_hf else eb.run_hf(model, workload, args.static_batch)
+    if hf is not None:
+        results.append(hf)
+        print(f"  {hf.method:<44} {hf.tokens_per_s:>9,.1f} tok/s", flush=True)
+    batch1 = eb.batch1_decode(model)
+    waste |= eb.contiguous_waste(workload, model.cfg.context_length, args.static_batch)
+    ratios = {r.method: paged.tokens_per_s / r.tokens_per_s for r in results if r is not paged}
+    print(f"  paged engine vs: " + ", ".join(f"{m} {x:.1f}x" for m, x in ratios.items()))
+    print(f"  batch-1 decode {batch1['tokens_per_s']:.1f} tok/s = {batch1['fraction_of_roofline']:.0%} of the "
+          f"bandwidth roofline ({batch1['roofline_tokens_per_s']:.1f} tok/s)")
+    print("  reserved KV memory holding no token: " + ", ".join(f"{k} {v:.0%}" for k, v in waste.items()))
+    return {"results": eb.as_dict(results), "speedup_of_paged_engine": ratios, "batch1": batch1, "kv_waste": waste}
+
+
+def save(report: dict, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"engine-{report['preset']}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, out / f"engine-{report['preset']}.png")
+    return path
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = report["runs"]
+    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 3.6), squeeze=False)
+    for ax, (dtype, run_) in zip(axes[0], runs.items()):
+        names = [r["method"] for r in run_["results"]]
+        rates = [r["tokens_per_s"] for r in run_["results"]]
+        ax.barh(names, rates, color=["C7" if n != "paged engine" else "C0" for n in names])
+        ax.invert_yaxis()
+        ax.set(xlabel="output tokens/s", title=f"{report['preset']}, {dtype}")
+        for y, rate in enumerate(rates):
+            ax.text(rate, y, f" {rate:,.0f}", va="center")
+    fig.suptitle(f"{report['num_requests']} requests on {report['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    report = bench_engine(args)
+    out = Path(args.out) if args.out else (project_root() or Path.cwd()) / "benchmarks" / "results"
+    print(f"\nsaved {save(report, out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    run(main, prog="python -m minillm.bench")

@@ -1,0 +1,45 @@
+"""The engine benchmark in its smoke size: it runs every method and its accounting adds up.
+(It does not judge speed: CI machines are too noisy for that. The figures live in the book.)"""
+
+import json
+
+import pytest
+
+from minillm.bench import engine as eb
+from minillm.bench.__main__ import main, parse_range
+from minillm.cli import UsageError
+
+
+def test_smoke_run_reports_every_method(tmp_path, home) -> None:
+    assert main(["engine", "--smoke", "--dtypes", "float32", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "engine-tiny.json").read_text())
+    assert (tmp_path / "engine-tiny.png").stat().st_size > 1000
+    run = report["runs"]["float32"]
+    methods = [r["method"] for r in run["results"]]
+    assert methods[:4] == ["naive loop", "KV cache, one at a time", "static batches of 3", "paged engine"]
+    assert any(m.startswith("transformers generate") for m in methods)
+    workload = eb.Workload.uniform(6, (4, 24), (4, 24), 50257, seed=0)
+    by_method = {r["method"]: r for r in run["results"]}
+    assert by_method["paged engine"]["output_tokens"] == workload.output_tokens
+    assert by_method["naive loop"]["output_tokens"] == workload.head(2).output_tokens
+    paged = by_method["paged engine"]["tokens_per_s"]
+    for method, ratio in run["speedup_of_paged_engine"].items():
+        assert ratio == pytest.approx(paged / by_method[method]["tokens_per_s"])
+    waste = run["kv_waste"]
+    assert all(0 <= v < 1 for v in waste.values())
+    assert waste["paged"] < waste["max_context"]  # blocks waste less than whole-context reservations
+    assert 0 < run["batch1"]["fraction_of_roofline"]
+
+
+def test_contiguous_waste_arithmetic() -> None:
+    w = eb.Workload([[1] * 10, [1] * 30], [10, 30])  # uses 20 and 60 slots
+    waste = eb.contiguous_waste(w, context_length=100, batch_size=2)
+    assert waste["max_context"] == pytest.approx(1 - 80 / 200)
+    assert waste["static_batch"] == pytest.approx(1 - 80 / (2 * (30 + 30)))
+
+
+def test_bad_ranges_are_one_line_errors() -> None:
+    assert parse_range("16:256") == (16, 256) and parse_range("7") == (7, 7)
+    for bad in ("a:b", "0:5", "9:3"):
+        with pytest.raises(UsageError):
+            parse_range(bad)
