@@ -46,7 +46,11 @@ def cache_dir(*parts: str) -> Path:
 
 
 def checkpoints_dir() -> Path:
-    """Where trained weights are kept (``python -m minillm.train`` writes here by default)."""
-    path = home() / "checkpoints"
+    """Where trained weights are kept (``python -m minillm.train`` writes here by default).
+
+    QUICK runs keep theirs apart, in ``checkpoints/quick``: a 30-step model trained by a test
+    run must never become the model that ``make serve`` or a full notebook run picks up.
+    """
+    path = home() / "checkpoints" / ("quick" if quick() else "")
     path.mkdir(parents=True, exist_ok=True)
     return path

@@ -17,6 +17,7 @@ import contextlib
 import json
 import math
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -286,6 +287,33 @@ def train_step(runner, optimizer, scaler, amp, batches: list[tuple[torch.Tensor,
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return total
+
+
+def measure_throughput(
+    preset: str, dtype: str = "float32", *, batch_size: int = 8, seq_len: int | None = None,
+    steps: int = 3, device: str | torch.device | None = None,
+) -> float:
+    """Training tokens per second of a preset: the median of ``steps`` timed optimizer steps
+    on random tokens (speed does not depend on the data), after one warm-up step."""
+    device = torch.device(device) if device else default_device()
+    model_cfg = get_preset(preset)
+    cfg = replace(TrainConfig(preset=preset, dtype=dtype), lr=1e-4, warmup=0, max_steps=steps)
+    seq_len = seq_len or model_cfg.context_length
+    model = GPT(model_cfg).to(device).train()
+    optimizer = make_optimizer(model, cfg)
+    amp_dtype = autocast_dtype(cfg, device)
+    amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    x = torch.randint(model_cfg.vocab_size, (batch_size, seq_len + 1), device=device)
+    batch = [(x[:, :-1], x[:, 1:])]
+    times = []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        train_step(model, optimizer, scaler, amp, batch, cfg.grad_clip)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return batch_size * seq_len / statistics.median(times[1:])
 
 
 def _progress(cfg: TrainConfig, dist: Dist, step: int):

@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -123,3 +124,23 @@ def test_bad_flags_give_one_line(home, args, words):
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0] and "Traceback" not in result.stderr
+
+
+def test_quick_runs_keep_their_checkpoints_apart(home, monkeypatch) -> None:
+    from minillm.checkpoint import preset_dir
+
+    monkeypatch.setenv("MINILLM_QUICK", "1")
+    quick_dir = preset_dir("cpu")
+    monkeypatch.setenv("MINILLM_QUICK", "0")
+    assert preset_dir("cpu") == home / "checkpoints" / "cpu"
+    assert quick_dir == home / "checkpoints" / "quick" / "cpu"
+
+
+def test_measure_throughput_is_tokens_over_step_time(monkeypatch) -> None:
+    from minillm import train as T
+
+    calls = []
+    monkeypatch.setattr(T, "train_step", lambda *a, **k: calls.append(1) or time.sleep(0.05))
+    rate = T.measure_throughput("tiny", batch_size=2, seq_len=16, steps=3, device="cpu")
+    assert len(calls) == 4  # one warm-up, three timed
+    assert 2 * 16 / 0.08 < rate < 2 * 16 / 0.05  # 32 tokens per ~50 ms step

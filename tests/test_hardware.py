@@ -1,0 +1,120 @@
+import json
+import math
+import time
+
+import pytest
+import torch
+
+from minillm import hardware
+from minillm.cli import run
+from minillm.hardware import (
+    DEVICE_SPECS,
+    DTYPES,
+    MachineProfile,
+    dtype_bytes,
+    dtype_name,
+    first_order_batch,
+    format_rate,
+    get_spec,
+    measure_bandwidth,
+    measure_machine,
+    measure_matmul_flops,
+    median_seconds,
+)
+
+
+def test_rtx4050_ridge_is_47_flop_per_byte():
+    spec = get_spec("rtx4050-laptop")
+    assert spec.bandwidth == 192e9 and spec.flops["fp16"] == 8.986e12
+    assert spec.ridge("fp16") == pytest.approx(46.8, abs=0.1)
+    # fp16 weights: 2 FLOPs per 2-byte weight per sequence, so the ridge batch equals the ridge
+    assert first_order_batch(spec.ridge("fp16"), "fp16") == pytest.approx(46.8, abs=0.1)
+    assert first_order_batch(spec.ridge("fp16"), "fp32") == pytest.approx(93.6, abs=0.2)
+
+
+def test_every_datasheet_names_its_source_and_dtypes():
+    for key, spec in DEVICE_SPECS.items():
+        assert "https://" in spec.source, key
+        assert spec.flops and set(spec.flops) <= set(DTYPES), key
+        assert 5e10 <= spec.bandwidth <= 1e13, key  # 50 GB/s .. 10 TB/s
+        for dtype, peak in spec.flops.items():
+            assert 1e12 <= peak <= 1e16, (key, dtype)
+            assert 1 < spec.ridge(dtype) < 1000, (key, dtype)
+    with pytest.raises(ValueError, match="no bf16 figure"):
+        get_spec("apple-m2").ridge("bf16")
+    with pytest.raises(ValueError, match="unknown device 'tpu9'.*rtx4050-laptop"):
+        get_spec("tpu9")
+
+
+def test_dtype_names_and_sizes():
+    assert dtype_name(torch.bfloat16) == "bf16" and dtype_name(torch.float32) == "fp32"
+    assert [dtype_bytes(d) for d in ("fp32", "bf16", "fp16")] == [4, 2, 2]
+    with pytest.raises(ValueError, match="no short name"):
+        dtype_name(torch.int8)
+
+
+def test_median_skips_warmup_and_outliers():
+    delays = iter([0.3, 0.1, 0.001, 0.001, 0.002, 0.1])  # warm-up first, then two slow outliers
+
+    seconds = median_seconds(lambda: time.sleep(next(delays)), torch.device("cpu"), repeats=5)
+    assert seconds < 0.02
+
+
+def test_bandwidth_counts_copy_as_read_plus_write(monkeypatch):
+    monkeypatch.setattr(hardware, "median_seconds", lambda fn, device, repeats: (fn(), 1.0)[1])
+    assert measure_bandwidth("cpu", "copy", nbytes=4096) == 2 * 4096
+    assert measure_bandwidth("cpu", "reduce", nbytes=4096) == 4096
+    with pytest.raises(ValueError, match="method"):
+        measure_bandwidth("cpu", "triad", nbytes=4096)
+
+
+def test_matmul_counts_two_flops_per_multiply_add(monkeypatch):
+    monkeypatch.setattr(hardware, "median_seconds", lambda fn, device, repeats: (fn(), 0.5)[1])
+    assert measure_matmul_flops("cpu", torch.float32, n=16) == 2 * 16**3 / 0.5
+
+
+def test_measured_profile_is_finite_positive_and_plausible():
+    profile = measure_machine("cpu", small=True)
+    assert set(profile.bandwidths) == {"copy", "reduce"}
+    for rate in profile.bandwidths.values():
+        assert math.isfinite(rate) and 1e8 < rate < 1e13  # 0.1 GB/s .. 10 TB/s
+    assert profile.bandwidth == max(profile.bandwidths.values())
+    assert "fp32" in profile.flops
+    for dtype, rate in profile.flops.items():
+        assert math.isfinite(rate) and 1e8 < rate < 1e16, dtype
+        assert profile.ridge(dtype) == pytest.approx(rate / profile.bandwidth)
+    assert profile.as_spec().ridge("fp32") == pytest.approx(profile.ridge("fp32"))
+
+
+def test_profile_table_and_json_agree():
+    profile = MachineProfile("cpu", "test CPU", {"copy": 10e9, "reduce": 20e9}, {"fp32": 100e9, "bf16": 800e9},
+                             2**30, (1024, 2048), 5)
+    assert profile.ridge("bf16") == 40.0
+    table = profile.table()
+    assert "20 GB/s" in table and "800 GFLOP/s" in table and "40.0" in table
+    data = json.loads(json.dumps(profile.to_dict()))
+    assert data["bandwidth"] == 20e9 and data["ridge"] == {"fp32": 5.0, "bf16": 40.0}
+
+
+def test_format_rate():
+    assert format_rate(8.986e12, "FLOP/s") == "8.99 TFLOP/s"
+    assert format_rate(192e9, "B/s") == "192 GB/s"
+    assert format_rate(512, "B/s") == "512 B/s"
+
+
+def test_cli_json(capsys):
+    with pytest.raises(SystemExit) as exit:
+        run(hardware.main, ["--quick", "--json", "--device", "cpu"])
+    assert exit.value.code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["device"] == "cpu" and data["ridge"]["fp32"] == pytest.approx(data["flops"]["fp32"] / data["bandwidth"])
+
+
+@pytest.mark.parametrize("argv, message", [(["--bogus"], "unrecognized arguments: --bogus"),
+                                           (["--device", "tpu"], "--device tpu: ")])
+def test_cli_errors_are_one_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit:
+        run(hardware.main, argv, prog="python -m minillm.hardware")
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
