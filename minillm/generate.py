@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from minillm.model import GPT, fused_attention
+from minillm.model import GPT, KVCache, fused_attention
 from minillm.sampling import SamplingParams, sample
 
 
@@ -85,6 +85,15 @@ def _padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: to
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
 
 
+def last_logits(
+    model: GPT, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None
+) -> torch.Tensor:
+    """Logits of each row's last position only, ``[batch, vocab]``. Generation never needs the
+    others, and the output matrix is the largest matmul of a small model: applying it to a
+    200-token prompt's every position would cost 200 times what one position costs."""
+    return model.logits(model.hidden_states(tokens, positions, cache)[:, -1])
+
+
 def choose_token(
     logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
 ) -> int:
@@ -132,7 +141,7 @@ def generate_naive(
     ids, new = list(prompt), []
     for _ in range(max_new_tokens):
         window = torch.tensor([ids[-model.cfg.context_length :]], device=_device(model))
-        token = choose_token(model(window)[0, -1], temperature, top_k, generator)
+        token = choose_token(last_logits(model, window)[0], temperature, top_k, generator)
         ids.append(token)
         new.append(token)
         if token == stop_token:
@@ -161,7 +170,7 @@ def generate_kv_cache(
         return []
     device = _device(model)
     cache = ContiguousKVCache(model, 1, len(prompt) + max_new_tokens)
-    logits = model(torch.tensor([prompt], device=device), cache=cache)[0, -1]
+    logits = last_logits(model, torch.tensor([prompt], device=device), cache=cache)[0]
     new: list[int] = []
     while True:
         token = choose_token(logits, temperature, top_k, generator)
@@ -169,7 +178,7 @@ def generate_kv_cache(
         if token == stop_token or len(new) == max_new_tokens:
             return new
         position = torch.tensor([[cache.length]], device=device)
-        logits = model(torch.tensor([[token]], device=device), position, cache)[0, -1]
+        logits = last_logits(model, torch.tensor([[token]], device=device), position, cache)[0]
 
 
 @torch.no_grad()
@@ -205,7 +214,7 @@ def generate_static_batch(
     pad_t = torch.tensor(pad, device=device)
     positions = (torch.arange(longest, device=device)[None, :] - pad_t[:, None]).clamp(min=0)
     cache = ContiguousKVCache(model, len(prompts), longest + steps, pad=pad)
-    logits = model(tokens, positions, cache)[:, -1]
+    logits = last_logits(model, tokens, positions, cache)
     outputs: list[list[int]] = [[] for _ in prompts]
     done = [limit == 0 for limit in limits]
     for step in range(steps):
@@ -217,5 +226,5 @@ def generate_static_batch(
         if all(done) or step == steps - 1:
             break
         positions = (cache.length - pad_t)[:, None]
-        logits = model(next_tokens[:, None], positions, cache)[:, -1]
+        logits = last_logits(model, next_tokens[:, None], positions, cache)
     return outputs
