@@ -1,5 +1,5 @@
 # minillm: every target installs what it needs first, once (stamps in .venv record it).
-#   make serve  - the main job (today: train the cpu model on first use, then print samples)
+#   make serve  - the main job: the OpenAI-compatible server on http://127.0.0.1:8000 (trains the cpu model on first use)
 #   make test   - the whole suite: unit tests, then every notebook under nbval
 #   make lab    - JupyterLab on notebooks/
 #   make book   - the HTML book, offline, into _build/html
@@ -15,7 +15,7 @@ DEV    := $(VENV)/.installed-dev
 .PHONY: serve test test-unit test-notebooks lab book bench clean
 
 serve: $(BASE)
-	$(PY) -m minillm
+	$(PY) -m server
 
 test: test-unit test-notebooks
 

@@ -140,3 +140,19 @@ def test_requests_that_can_never_run_are_refused(model: GPT) -> None:
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("ok", [1, 2], greedy(3))
     assert engine.stats().waiting == 1  # the refusals left nothing behind; the good one waits
+
+
+def test_a_failing_step_still_returns_finished_blocks(model: GPT) -> None:
+    engine = LLMEngine(model, EngineConfig())
+    engine.add_request("a", [1, 2, 3], greedy(1))  # finishes on its first token
+    engine.add_request("b", [4, 5, 6], greedy(5))
+
+    def broken(token: int) -> str:
+        raise RuntimeError("detokenizer failure")
+
+    engine._detokenizers["b"].add = broken
+    with pytest.raises(RuntimeError, match="detokenizer failure"):
+        engine.step()
+    assert engine.abort("b")
+    assert not engine.has_unfinished
+    assert engine.stats().kv_blocks_used == 0

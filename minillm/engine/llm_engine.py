@@ -161,18 +161,19 @@ class LLMEngine:
         self.last_step = output
         if output.is_empty:
             return []
-        tokens = self.runner.execute(output)
+        tokens = self.runner.execute(output)  # if this raises, no sequence has changed
         now = time.monotonic()
         results: dict[str, RequestOutput] = {}
-        for chunk, token in zip(output.chunks, tokens):
-            is_decode = chunk.num_tokens == 1 and chunk.start >= chunk.seq.prompt_len
-            self._prefill_tokens += 0 if is_decode else chunk.num_tokens
-            if token is None:
-                continue
-            self._generated += 1
-            results[chunk.seq.request_id] = self._append(chunk.seq, token, now)
-        for seq in self.scheduler.postprocess(output, now):
-            self._retire(seq.request_id)
+        try:
+            for chunk, token in zip(output.chunks, tokens):
+                is_decode = chunk.num_tokens == 1 and chunk.start >= chunk.seq.prompt_len
+                self._prefill_tokens += 0 if is_decode else chunk.num_tokens
+                if token is not None:
+                    self._generated += 1
+                    results[chunk.seq.request_id] = self._append(chunk.seq, token, now)
+        finally:  # even if appending failed, finished sequences must give their blocks back
+            for seq in self.scheduler.postprocess(output, now):
+                self._retire(seq.request_id)
         self._steps += 1
         return list(results.values())
 

@@ -1,0 +1,118 @@
+"""``python -m server``: load a model, start the engine loop, serve until SIGINT or SIGTERM.
+
+Shutdown is graceful, in this order: the signal sets an event; the server stops listening
+and answers 503 to new requests on open connections; requests in flight get
+``--shutdown-grace`` seconds to finish their streams; whatever is still running is then
+cancelled, which aborts it in the engine; the engine thread stops; the process exits 0.
+A second Ctrl+C skips the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Callable, Sequence
+
+import torch
+from aiohttp import web
+
+from minillm.checkpoint import load_model, load_or_train
+from minillm.cli import UsageError, run
+from minillm.engine.llm import resolve_dtype
+from minillm.engine.llm_engine import LLMEngine
+from minillm.hardware import default_device
+from minillm.model import GPT
+from minillm.tokenizer import get_tokenizer
+from server.app import create_app
+from server.config import ServerConfig, parse_args
+
+log = logging.getLogger("server")
+
+
+def load(config: ServerConfig) -> GPT:
+    """The model to serve: ``--checkpoint``, or the newest ``cpu`` preset (trained on first use),
+    on ``--device`` in ``--dtype``."""
+    try:
+        device = torch.device(config.device) if config.device else default_device()
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as err:
+        raise UsageError(f"--device {config.device}: {str(err).splitlines()[0]}") from None
+    try:
+        model = load_model(config.checkpoint, device) if config.checkpoint else load_or_train("cpu", device)
+    except FileNotFoundError as err:
+        raise UsageError(f"--checkpoint: {err}") from None
+    return model.to(dtype=resolve_dtype(config.dtype))
+
+
+def banner(config: ServerConfig, port: int) -> str:
+    """What to paste to try the server: its URL, a curl command and an ``openai`` snippet.
+    A key is never printed (stdout often ends up in logs): with one, both snippets read it
+    from ``OPENAI_API_KEY``, where the ``openai`` client looks by default."""
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
+    url, name = f"http://{host}:{port}", config.served_model_name
+    curl_auth, client_key, key_note = "", ', api_key="none"', ""
+    if config.api_key:
+        curl_auth, client_key = ' -H "Authorization: Bearer $OPENAI_API_KEY"', ""
+        key_note = "  (an API key is required: export OPENAI_API_KEY=<the key> where the client runs)\n"
+    return f"""
+minillm is serving {name!r} at {url}   (Ctrl+C to stop)
+{key_note}
+  curl {url}/v1/completions -H "Content-Type: application/json"{curl_auth} \\
+    -d '{{"model": "{name}", "prompt": "Once upon a time", "max_tokens": 40, "stream": true}}'
+
+  from openai import OpenAI
+  client = OpenAI(base_url="{url}/v1"{client_key})
+  print(client.completions.create(model="{name}", prompt="Once upon a time", max_tokens=40).choices[0].text)
+
+  health {url}/health   metrics {url}/metrics
+""".rstrip() + "\n"
+
+
+async def serve(app: web.Application, config: ServerConfig, stop: asyncio.Event,
+                on_ready: Callable[[int], None] = lambda port: None) -> None:
+    """Serve ``app`` until ``stop`` is set, then shut down gracefully (module docstring).
+    ``on_ready`` gets the port actually bound (``--port 0`` picks a free one)."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=config.shutdown_grace)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        on_ready(runner.addresses[0][1])
+        await stop.wait()
+        log.info("shutting down: %.0f s for in-flight requests to finish", config.shutdown_grace)
+    finally:
+        await runner.cleanup()
+
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+async def _serve_until_signalled(app: web.Application, config: ServerConfig) -> None:
+    """Serve until the first SIGINT or SIGTERM. The handlers are then removed, so a second
+    Ctrl+C stops at once instead of waiting out the grace period."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        stop.set()
+        for sig in SIGNALS:
+            loop.remove_signal_handler(sig)
+
+    for sig in SIGNALS:
+        loop.add_signal_handler(sig, on_signal)
+    await serve(app, config, stop, lambda port: print(banner(config, port), flush=True))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_args(argv)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model = load(config)
+    engine = LLMEngine(model, config.engine_config(), get_tokenizer())
+    asyncio.run(_serve_until_signalled(create_app(engine, config), config))
+    return 0
+
+
+if __name__ == "__main__":
+    run(main, prog="python -m server")

@@ -1,0 +1,309 @@
+"""The HTTP side: aiohttp routes that speak OpenAI's API over the engine loop.
+
+A completion request goes: read the body (413 past the size limit) -> check and tokenize it
+(:mod:`server.protocol`, 400/404 on anything wrong) -> :meth:`AsyncEngine.submit` -> wait
+until the engine accepts it (429 when the waiting queue is full, 503 while shutting down)
+-> answer with one JSON body, or stream server-sent events as tokens arrive.
+
+Every handler that submitted work closes its stream in a ``finally``. aiohttp cancels a
+handler whose client disconnects (``handler_cancellation=True``), so a client that walks
+away mid-stream lands in that ``finally`` at once, its choices are aborted before the next
+engine step, and their KV blocks go back to the pool.
+
+Each completion request ends with one access-log line (logger ``server.access``) in
+``key=value`` form: request id, status, prompt and completion tokens, time to first output
+and total time as the handler saw them (from arrival, ``time.monotonic()``), finish reasons.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from minillm.engine.llm_engine import LLMEngine
+from minillm.tokenizer import Tokenizer
+from server.config import ServerConfig
+from server.engine_loop import AsyncEngine, EngineFailure, Event, QueueFull, Rejected, RequestStream, ShuttingDown
+from server.metrics import CONTENT_TYPE, Metrics
+from server.protocol import (GenerationRequest, ModelCard, OpenAIError, Responses, invalid, models_list,
+                             parse_chat, parse_completion, sse, usage)
+
+access_log = logging.getLogger("server.access")
+log = logging.getLogger("server")
+
+RETRY_AFTER_SECONDS = 1
+CLIENT_GONE = 499  # nginx's status for "the client closed the connection", for the access log
+
+
+@dataclass
+class State:
+    """What every handler needs, kept on the application."""
+
+    engine: AsyncEngine
+    metrics: Metrics
+    card: ModelCard
+    tokenizer: Tokenizer
+    api_key: str | None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+STATE = web.AppKey("state", State)
+
+
+def create_app(engine: LLMEngine, config: ServerConfig) -> web.Application:
+    """The server for ``engine``. Its engine thread starts with the app; at shutdown the app
+    first refuses new work, then (after aiohttp has let in-flight requests run for up to its
+    ``shutdown_timeout``) stops the thread."""
+    async_engine = AsyncEngine(engine, config.max_queue)
+    card = ModelCard(config.served_model_name, engine.model.cfg.context_length, engine.model.cfg.vocab_size)
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[errors, auth])
+    app[STATE] = State(async_engine, Metrics(async_engine), card, engine.tokenizer, config.api_key)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.on_startup.append(_start_engine)
+    app.on_shutdown.append(_stop_accepting)
+    app.on_cleanup.append(_stop_engine)
+    return app
+
+
+async def _start_engine(app: web.Application) -> None:
+    app[STATE].engine.start()
+
+
+async def _stop_accepting(app: web.Application) -> None:
+    app[STATE].engine.accepting = False
+
+
+async def _stop_engine(app: web.Application) -> None:
+    await app[STATE].engine.stop()
+
+
+# ----------------------------------------------------------------------------- middleware
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(err: OpenAIError) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+
+@web.middleware
+async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure leaves as OpenAI-shaped JSON, and every response is counted by status."""
+    try:
+        response = await handler(request)
+    except OpenAIError as err:
+        response = error_response(err)
+    except web.HTTPException as err:  # aiohttp's own: 404/405 routing, 413 body too large
+        response = error_response(OpenAIError(err.status, err.text or err.reason, _error_type(err.status)))
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        response = error_response(OpenAIError(500, "internal server error", "server_error"))
+    resource = request.match_info.route.resource
+    path = resource.canonical if resource is not None else "unmatched"
+    request.app[STATE].metrics.http.labels(path, str(response.status)).inc()
+    return response
+
+
+def _error_type(status: int) -> str:
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+@web.middleware
+async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """With ``--api-key``, the /v1 routes want ``Authorization: Bearer <key>``; /health and
+    /metrics stay open for load balancers and Prometheus, as in vLLM."""
+    key = request.app[STATE].api_key
+    if key is not None and request.path.startswith("/v1"):
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise OpenAIError(401, "missing or incorrect API key", "invalid_request_error", None, "invalid_api_key")
+    return await handler(request)
+
+
+# ----------------------------------------------------------------------------- small routes
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response(models_list(state.card, state.created))
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 while the engine loop runs and takes work; 503 otherwise, so a load balancer stops
+    sending requests to a server that is stopping or broken."""
+    engine = request.app[STATE].engine
+    ok = engine.alive and engine.accepting
+    return web.json_response({"status": "ok" if ok else "unavailable"}, status=200 if ok else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[STATE].metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+# ----------------------------------------------------------------------------- completions
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_completion, "cmpl")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_chat, "chatcmpl")
+
+
+@dataclass
+class AccessRecord:
+    """What the access log says about one completion request."""
+
+    request_id: str
+    path: str
+    arrival: float
+    status: int = 200
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    first_output: float | None = None
+    reasons: list[str] = field(default_factory=list)
+    user: str | None = None
+
+    def write(self) -> None:
+        now = time.monotonic()
+        ttft = "-" if self.first_output is None else f"{(self.first_output - self.arrival) * 1e3:.1f}"
+        access_log.info(
+            "request_id=%s path=%s status=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s total_ms=%.1f "
+            "finish_reason=%s user=%s", self.request_id, self.path, self.status, self.prompt_tokens,
+            self.completion_tokens, ttft, (now - self.arrival) * 1e3, ",".join(self.reasons) or "-", self.user or "-")
+
+
+ENGINE_ERRORS = (QueueFull, ShuttingDown, Rejected, EngineFailure)
+
+
+def as_openai_error(err: Exception) -> OpenAIError:
+    """The engine loop's refusals and failures, in HTTP terms."""
+    if isinstance(err, QueueFull):
+        return OpenAIError(429, f"the server is busy ({err}); retry shortly", "rate_limit_error", None,
+                           "rate_limit_exceeded", {"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(err, ShuttingDown):
+        return OpenAIError(503, str(err), "server_error", None, "shutting_down")
+    if isinstance(err, Rejected):
+        return invalid(str(err))
+    return OpenAIError(500, str(err), "server_error", None, "engine_error")
+
+
+async def read_json(request: web.Request) -> object:
+    try:
+        return await request.json()
+    except ValueError as err:  # bad JSON, or bytes that are not UTF-8
+        raise invalid(f"the request body is not valid JSON: {err}") from None
+
+
+async def _generate(request: web.Request, parse: Callable, prefix: str) -> web.StreamResponse:
+    """Check, submit, wait for the engine to accept, then answer whole or streamed.
+
+    Whatever happens (an answer, an error, a cancelled handler), the ``finally`` closes the
+    stream, which aborts unfinished choices, and writes the access-log line.
+    """
+    state = request.app[STATE]
+    record = AccessRecord(f"{prefix}-{uuid.uuid4().hex}", request.path, time.monotonic())
+    stream: RequestStream | None = None
+    refused = False  # by the engine loop, before it took the request on
+    try:
+        req: GenerationRequest = parse(await read_json(request), state.tokenizer, state.card)
+        record.user = req.user
+        choices = req.choices()
+        try:
+            stream = state.engine.submit(record.request_id, [p for p, _ in choices], [s for _, s in choices],
+                                         record.arrival)
+            await stream.ready()
+        except ENGINE_ERRORS as err:
+            refused = isinstance(err, (QueueFull, Rejected))
+            raise as_openai_error(err) from None
+        record.first_output, record.prompt_tokens = time.monotonic(), req.prompt_tokens
+        state.metrics.prompt_tokens.inc(req.prompt_tokens)
+        responses = Responses(record.request_id, state.card.name, req.chat, req.include_usage)
+        events = _tracked(stream, record, state.metrics)
+        if req.stream:
+            return await _stream(request, events, responses, record)
+        return await _whole(events, len(choices), responses, record)
+    except asyncio.CancelledError:  # the client went away
+        record.status = CLIENT_GONE
+        raise
+    except Exception as err:
+        record.status = getattr(err, "status", 500)
+        raise
+    finally:
+        unfinished = stream.close() if stream is not None else 0
+        # Choices the engine had taken on and did not finish: failed (500), or aborted (the
+        # client left, or shutdown cut them off).
+        if unfinished and not refused:
+            state.metrics.finished.labels("error" if record.status == 500 else "abort").inc(unfinished)
+        record.write()
+
+
+async def _tracked(stream: RequestStream, record: AccessRecord, metrics: Metrics) -> AsyncIterator[Event]:
+    """The stream's events, counted into the access record and the metrics on their way."""
+    try:
+        async for event in stream:
+            out = event.output
+            metrics.generation_tokens.inc(len(out.new_token_ids))
+            if out.finished:
+                record.completion_tokens += out.completion_tokens
+                record.reasons.append(out.finish_reason or "")
+                metrics.choice_finished(out.finish_reason or "", event.times)
+            yield event
+    except ENGINE_ERRORS as err:
+        raise as_openai_error(err) from None
+
+
+async def _whole(events: AsyncIterator[Event], n: int, responses: Responses, record: AccessRecord) -> web.Response:
+    """Collect every choice to the end, then answer once."""
+    texts: list[list[str]] = [[] for _ in range(n)]
+    reasons: list[str | None] = [None] * n
+    async for event in events:
+        texts[event.index].append(event.output.new_text)
+        reasons[event.index] = event.output.finish_reason
+    counts = usage(record.prompt_tokens, record.completion_tokens)
+    return web.json_response(responses.full(["".join(t) for t in texts], reasons, counts))
+
+
+async def _stream(request: web.Request, events: AsyncIterator[Event], responses: Responses,
+                  record: AccessRecord) -> web.StreamResponse:
+    """Server-sent events: a chunk whenever a choice has new text (or finishes), then the
+    usage chunk if asked for, then ``data: [DONE]``.
+
+    Once the first byte is out the status line is fixed at 200, so an engine failure after
+    that is reported as an ``{"error": ...}`` event, which OpenAI's clients raise as an error.
+    """
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": record.request_id})
+    await response.prepare(request)
+    started: set[int] = set()
+    try:
+        try:
+            async for event in events:
+                out = event.output
+                if out.new_text or out.finished:
+                    chunk = responses.chunk(event.index, out.new_text, out.finish_reason,
+                                            first=event.index not in started)
+                    await response.write(sse(chunk))
+                    started.add(event.index)
+            if responses.include_usage:
+                await response.write(sse(responses.usage_chunk(usage(record.prompt_tokens, record.completion_tokens))))
+        except OpenAIError as err:
+            record.status = err.status
+            await response.write(sse(err.body()))
+        await response.write(sse("[DONE]"))
+        await response.write_eof()
+    except ConnectionResetError:  # the client left between two writes
+        record.status = CLIENT_GONE
+    return response

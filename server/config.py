@@ -1,0 +1,143 @@
+"""The server's settings: one dataclass, filled from flags or environment variables.
+
+Every flag ``--some-flag`` can also be set as ``MINILLM_SOME_FLAG`` (``--port`` is
+``MINILLM_PORT``), the way containers and process managers like to configure a service; a flag
+given on the command line wins over the variable. A value argparse cannot read, from either
+source, is reported in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from minillm.cli import ArgumentParser, UsageError
+from minillm.engine.kv_cache import parse_memory
+from minillm.engine.llm import resolve_dtype
+from minillm.engine.llm_engine import EngineConfig
+
+ENV_PREFIX = "MINILLM_"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass
+class ServerConfig:
+    """What to serve, where, and how much work to take on.
+
+    ``max_queue`` bounds the engine's waiting queue: a request arriving when that many are
+    already waiting is answered 429 at once, because queueing it would only make every
+    client wait longer. ``shutdown_grace`` is how long in-flight requests may run after a
+    SIGTERM before they are aborted.
+    """
+
+    checkpoint: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str | None = None
+    dtype: str | None = None
+    kv_cache_memory: str | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_queue: int = 1024
+    api_key: str | None = None
+    served_model_name: str = "minillm"
+    log_level: str = "info"
+    max_body_bytes: int = 1 << 20
+    shutdown_grace: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.shutdown_grace < 0:
+            raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
+        if not self.served_model_name:
+            raise ValueError("served_model_name must not be empty")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty (leave it unset to serve without a key)")
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        resolve_dtype(self.dtype)
+        self.engine_config()  # the engine's own checks, now rather than after loading the model
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's share of the settings."""
+        return EngineConfig(
+            block_size=self.block_size,
+            kv_cache_memory=self.kv_cache_memory,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+        )
+
+
+def _memory(text: str) -> str:
+    """Check a memory size (``6GiB``) for argparse, keeping the text the engine reads."""
+    try:
+        parse_memory(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def _bytes(text: str) -> int:
+    try:
+        return parse_memory(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+# (flag, type, help) in the order --help shows them; the default comes from ServerConfig.
+FLAGS: list[tuple[str, Callable[[str], object], str]] = [
+    ("--checkpoint", str, "a checkpoint file, or the directory `python -m minillm.train --out` wrote "
+                          "(default: the newest cpu-preset model, trained on first use)"),
+    ("--host", str, "address to listen on"),
+    ("--port", int, "port to listen on (0: any free port)"),
+    ("--device", str, "cpu | cuda | cuda:1 | mps (default: the best available)"),
+    ("--dtype", str, "float32 | bfloat16 | float16 (default: the checkpoint's)"),
+    ("--kv-cache-memory", _memory, "KV cache size, e.g. 6GiB (default: 1GiB on a CPU, 90%% of free GPU memory)"),
+    ("--block-size", int, "tokens per KV block"),
+    ("--max-num-seqs", int, "most requests running at once"),
+    ("--max-num-batched-tokens", int, "most tokens computed in one engine step"),
+    ("--max-queue", int, "waiting requests beyond which new ones get 429"),
+    ("--api-key", str, "require `Authorization: Bearer KEY` on /v1 routes"),
+    ("--served-model-name", str, "the model name clients send and /v1/models lists"),
+    ("--log-level", str.lower, "debug | info | warning | error"),
+    ("--max-body-bytes", _bytes, "largest request body accepted (413 beyond), e.g. 1MiB"),
+    ("--shutdown-grace", float, "seconds in-flight requests may finish after SIGTERM"),
+]
+
+
+def env_name(flag: str) -> str:
+    """``--max-queue`` -> ``MINILLM_MAX_QUEUE``."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def build_parser(environ: dict[str, str] | None = None) -> ArgumentParser:
+    """The ``python -m server`` parser. A variable's value becomes the flag's default as a
+    string, so argparse converts and checks it exactly as it would the flag itself."""
+    environ = os.environ if environ is None else environ
+    defaults = ServerConfig()
+    parser = ArgumentParser(
+        prog="python -m server",
+        description="An OpenAI-compatible streaming server for a minillm model. "
+        f"Every flag can also be set as an environment variable, e.g. {env_name('--port')}.",
+    )
+    for flag, kind, text in FLAGS:
+        dest = flag.lstrip("-").replace("-", "_")
+        default = environ.get(env_name(flag), getattr(defaults, dest))
+        choices = LOG_LEVELS if flag == "--log-level" else None
+        shown = "" if getattr(defaults, dest) is None else "; default: %(default)s"  # never echo a key
+        parser.add_argument(flag, type=kind, default=default, choices=choices,
+                            help=f"{text} [env {env_name(flag)}{shown}]")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> ServerConfig:
+    """Flags and environment to a checked ``ServerConfig``; any problem is a ``UsageError``."""
+    args = build_parser(environ).parse_args(argv)
+    try:
+        return ServerConfig(**vars(args))
+    except ValueError as err:
+        raise UsageError(str(err)) from None

@@ -1,0 +1,321 @@
+"""The engine loop: one thread steps the engine; the event loop serves HTTP around it.
+
+``LLMEngine.step()`` runs a forward pass: milliseconds to seconds of work during which an
+asyncio event loop that called it could not accept a connection, send a token, or notice a
+client leaving. So the engine gets a thread of its own, the only one that ever touches it,
+and the two sides talk through two one-way channels:
+
+- **In**: a thread-safe inbox (``queue.SimpleQueue``) of messages, "add these requests" and
+  "abort these". Only the engine thread touches the engine; it drains the inbox between
+  steps, so an abort takes effect before the next step, and it blocks on the inbox (costing
+  nothing) when there is no work.
+- **Out**: after every step the thread hands the step's outputs and a stats snapshot to the
+  event loop with ``loop.call_soon_threadsafe``; there each output is put on the asyncio
+  queue of the HTTP request waiting for it.
+
+A failed step fails only the requests that were in its batch (their clients get an error,
+their blocks return to the pool); the loop goes on with everyone else.
+
+Timing: every timestamp is ``time.monotonic()``. The server stamps a request's arrival when
+its handler starts and passes it to ``add_request``; the engine's ``Sequence`` stamps when it
+was first scheduled, each token, and the finish, on the same clock. :class:`RequestTimes`
+carries those stamps back, so queue time, TTFT and inter-token latency are server-side
+figures measured where the engine produced the token, before the hop to the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from minillm.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
+from minillm.engine.sequence import Sequence
+from minillm.sampling import SamplingParams
+
+log = logging.getLogger("server.engine")
+
+
+class QueueFull(Exception):
+    """The waiting queue is at ``max_queue``: come back later (HTTP 429)."""
+
+
+class ShuttingDown(Exception):
+    """The server is stopping and takes no new work (HTTP 503)."""
+
+
+class Rejected(Exception):
+    """The engine refused the request: it could never run, e.g. it needs more KV blocks than
+    the whole pool holds (HTTP 400)."""
+
+
+class EngineFailure(Exception):
+    """The engine failed while working on this request (HTTP 500)."""
+
+
+@dataclass(frozen=True)
+class RequestTimes:
+    """A finished request's timestamps (``time.monotonic()`` seconds), from its ``Sequence``."""
+
+    arrival: float
+    first_scheduled: float
+    first_token: float
+    finish: float
+    token_times: tuple[float, ...]
+
+    @classmethod
+    def of(cls, seq: Sequence) -> RequestTimes:
+        return cls(seq.arrival_time, seq.first_scheduled_time or seq.arrival_time,
+                   seq.first_token_time or seq.arrival_time, seq.finish_time or seq.arrival_time,
+                   tuple(seq.token_times))
+
+    @property
+    def queue_time(self) -> float:
+        return self.first_scheduled - self.arrival
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+    @property
+    def e2e(self) -> float:
+        return self.finish - self.arrival
+
+    def inter_token_latencies(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+@dataclass
+class Event:
+    """One step's output for choice ``index`` of a request; ``times`` is set on its last one."""
+
+    index: int
+    output: RequestOutput
+    times: RequestTimes | None = None
+
+
+@dataclass
+class _Add:
+    ids: list[str]
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    arrival: float
+
+
+@dataclass
+class _Abort:
+    ids: list[str]
+
+
+_STOP = object()
+
+
+class RequestStream:
+    """One HTTP request's view of the engine: its choices, and the queue their outputs reach.
+
+    Iterate it for :class:`Event` s until every choice has finished; an error for the request
+    (queue full, rejected, engine failure) is raised from the iteration. Always ``close()`` it,
+    in a ``finally``: whatever has not finished is then aborted, so a handler that stops early
+    for any reason, a vanished client included, gives its KV blocks back.
+    """
+
+    def __init__(self, engine: AsyncEngine, ids: list[str]) -> None:
+        self.ids = ids
+        self._engine = engine
+        self._queue: asyncio.Queue[Event | Exception] = asyncio.Queue()
+        self._head: Event | None = None
+        self.unfinished = set(ids)
+
+    def put(self, item: Event | Exception) -> None:
+        self._queue.put_nowait(item)
+
+    async def ready(self) -> None:
+        """Wait for the first output, raising the request's error if the engine refused it.
+        A handler waits here before it commits to a status code."""
+        self._head = await self._next_item()
+
+    async def _next_item(self) -> Event:
+        item = await self._queue.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._head is None and not self.unfinished:
+            raise StopAsyncIteration
+        item, self._head = self._head or await self._next_item(), None
+        if item.output.finished:
+            self.unfinished.discard(item.output.request_id)
+        return item
+
+    def close(self) -> int:
+        """Stop listening and abort the unfinished choices; returns how many there were."""
+        return self._engine._release(self)
+
+
+class AsyncEngine:
+    """An ``LLMEngine`` driven by its own thread, used from asyncio (vLLM's AsyncLLMEngine).
+
+    ``stats`` is the engine's latest snapshot, replaced on the event loop after every step,
+    so readers need no lock; :meth:`wait_until` waits for a snapshot with some property.
+    """
+
+    def __init__(self, engine: LLMEngine, max_queue: int = 1024) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self.stats: EngineStats = engine.stats()
+        self.accepting = True
+        self._stats_changed: asyncio.Future | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[RequestStream, int]] = {}  # event-loop side only
+        self._seqs: dict[str, Sequence] = {}  # engine-thread side only
+        self._outbox: list[tuple[str, RequestOutput | Exception, RequestTimes | None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._crashed = False
+
+    # ------------------------------------------------------------------ event-loop side
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will read the outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._crashed
+
+    def submit(self, request_id: str, prompts: list[list[int]], params: list[SamplingParams],
+               arrival: float) -> RequestStream:
+        """Queue one engine request per choice (``{request_id}-{i}``) and return their stream."""
+        if not self.accepting:
+            raise ShuttingDown("the server is shutting down")
+        if not self.alive:
+            raise EngineFailure("the engine loop is not running")
+        stream = RequestStream(self, [f"{request_id}-{i}" for i in range(len(prompts))])
+        for index, rid in enumerate(stream.ids):
+            self._streams[rid] = (stream, index)
+        self._inbox.put(_Add(stream.ids, prompts, params, arrival))
+        return stream
+
+    def _release(self, stream: RequestStream) -> int:
+        """Forget ``stream`` and ask the engine thread to abort its unfinished choices."""
+        for rid in stream.ids:
+            self._streams.pop(rid, None)
+        unfinished = len(stream.unfinished)
+        if unfinished:
+            self._inbox.put(_Abort(sorted(stream.unfinished)))
+            stream.unfinished.clear()
+        return unfinished
+
+    async def wait_until(self, predicate: Callable[[EngineStats], bool]) -> EngineStats:
+        """The first stats snapshot, now or after a later step, for which ``predicate`` holds:
+        e.g. ``lambda s: s.running + s.waiting == 0`` waits until every abort has landed."""
+        while not predicate(self.stats):
+            if self._stats_changed is None:
+                self._stats_changed = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._stats_changed)  # a cancelled waiter leaves it to the others
+        return self.stats
+
+    async def stop(self) -> None:
+        """Refuse new work, abort what is left, and wait for the thread to end."""
+        self.accepting = False
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(_STOP)
+            await asyncio.to_thread(self._thread.join)
+
+    def _deliver(self, items: list, stats: EngineStats) -> None:
+        """On the event loop: route each output or error to the stream waiting for it."""
+        self.stats = stats
+        if self._stats_changed is not None:
+            self._stats_changed.set_result(None)
+            self._stats_changed = None
+        for rid, item, times in items:
+            stream, index = self._streams.get(rid, (None, 0))
+            if stream is not None:
+                stream.put(item if isinstance(item, Exception) else Event(index, item, times))
+
+    def _fail_everyone(self) -> None:
+        for stream, _ in list(self._streams.values()):
+            stream.put(EngineFailure("the engine loop stopped"))
+
+    # ------------------------------------------------------------------ engine-thread side
+
+    def _run(self) -> None:
+        try:
+            while self._apply_messages():
+                if self.engine.has_unfinished:
+                    self._step()
+                self._publish()
+            self._publish()
+        except BaseException:  # a bug in the loop itself: report it, fail every request
+            log.exception("the engine loop crashed")
+            self._crashed = True
+            self._loop.call_soon_threadsafe(self._fail_everyone)
+
+    def _apply_messages(self) -> bool:
+        """Apply every message in the inbox, first waiting for one if there is no work (an
+        idle engine sleeps here). False once told to stop."""
+        block = not self.engine.has_unfinished
+        while True:
+            try:
+                message = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if message is _STOP:
+                self._abort(list(self._seqs), ShuttingDown("the server shut down before this request finished"))
+                return False
+            if isinstance(message, _Abort):
+                self._abort(message.ids)
+            else:
+                self._add(message)
+
+    def _add(self, message: _Add) -> None:
+        """Queue all of a request's choices, or none: a full queue or a request the engine
+        refuses (one that could never fit in the pool) is answered with an error instead."""
+        if self.engine.scheduler.num_waiting >= self.max_queue:
+            self._outbox.append((message.ids[0], QueueFull(f"{self.max_queue} requests are already waiting"), None))
+            return
+        try:
+            for rid, prompt, params in zip(message.ids, message.prompts, message.params):
+                self._seqs[rid] = self.engine.add_request(rid, prompt, params, message.arrival)
+        except ValueError as err:
+            self._abort([rid for rid in message.ids if rid in self._seqs])
+            self._outbox.append((message.ids[0], Rejected(str(err)), None))
+
+    def _abort(self, ids: list[str], error: Exception | None = None) -> list[str]:
+        aborted = [rid for rid in ids if self._seqs.pop(rid, None) is not None and self.engine.abort(rid)]
+        if error is not None:
+            self._outbox.extend((rid, error, None) for rid in aborted)
+        return aborted
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as err:
+            self._fail_batch(err)
+            return
+        for out in outputs:
+            times = RequestTimes.of(self._seqs.pop(out.request_id)) if out.finished else None
+            self._outbox.append((out.request_id, out, times))
+
+    def _fail_batch(self, err: Exception) -> None:
+        """End the requests of the step that raised, and nobody else. If the batch is unknown
+        (scheduling itself failed), end every request, or the same failure would repeat."""
+        log.exception("an engine step failed; ending the requests in its batch")
+        error = EngineFailure(f"the engine failed while generating: {type(err).__name__}: {err}")
+        batch = self.engine.last_step
+        if not self._abort([chunk.seq.request_id for chunk in batch.chunks] if batch else [], error):
+            self._abort(list(self._seqs), error)
+
+    def _publish(self) -> None:
+        items, self._outbox = self._outbox, []
+        self._loop.call_soon_threadsafe(self._deliver, items, self.engine.stats())

@@ -1,0 +1,83 @@
+"""``GET /metrics``: the server's vital signs in Prometheus' text format.
+
+The names follow vLLM's (``vllm:time_to_first_token_seconds`` is ours
+``minillm:time_to_first_token_seconds``), so an operator's dashboards and alerts carry over:
+
+- latency histograms, from the engine's timestamps (see :mod:`server.engine_loop`): queue
+  time, time to first token, inter-token latency, end-to-end latency;
+- gauges read from the engine's latest stats at scrape time: running and waiting requests,
+  KV-cache usage (a fraction, 0..1, as vLLM's ``kv_cache_usage_perc`` is), prefix-cache hit rate;
+- counters: preemptions, prompt and generated tokens, finished requests by finish reason
+  (``stop``, ``length``, ``abort``, ``error``), and HTTP responses by path and status, which
+  is where refusals (429, 4xx) show up.
+
+Each server owns its registry, so two servers in one process (the tests) never mix counts.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from server.engine_loop import AsyncEngine, RequestTimes
+
+PREFIX = "minillm:"
+# vLLM's buckets, with millisecond buckets added below them: a small model on a CPU is fast.
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                   40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.registry = r = CollectorRegistry()
+        self._engine = engine
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from arrival to the first token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             buckets=REQUEST_BUCKETS, registry=r)
+        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Time from arrival to first scheduled.",
+                                    buckets=REQUEST_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of accepted requests.", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=r)
+        self.finished = Counter(PREFIX + "request_success", "Finished requests (choices) by finish reason.",
+                                ["finished_reason"], registry=r)
+        self.http = Counter(PREFIX + "http_requests", "HTTP responses by path and status.", ["path", "status"],
+                            registry=r)
+        self.preemptions = Counter(PREFIX + "num_preemptions", "Sequences preempted to free KV blocks.", registry=r)
+        self._preemptions_seen = 0
+        gauges = {
+            "num_requests_running": ("Requests in the running batch.", lambda s: s.running),
+            "num_requests_waiting": ("Requests waiting to be scheduled.", lambda s: s.waiting),
+            "kv_cache_usage_perc": ("Fraction of KV-cache blocks in use, 0..1.", lambda s: s.kv_cache_usage),
+            "prefix_cache_hit_rate": ("Prompt tokens found in the prefix cache / looked up.",
+                                      lambda s: s.prefix_cache_hit_rate),
+        }
+        for name, (text, read) in gauges.items():
+            Gauge(PREFIX + name, text, registry=r).set_function(lambda read=read: read(self._engine.stats))
+
+    def choice_finished(self, reason: str, times: RequestTimes | None) -> None:
+        """Count one finished choice; a normal finish also records its latencies."""
+        self.finished.labels(reason).inc()
+        if times is None:
+            return
+        self.ttft.observe(times.ttft)
+        self.e2e.observe(times.e2e)
+        self.queue_time.observe(times.queue_time)
+        for gap in times.inter_token_latencies():
+            self.itl.observe(gap)
+
+    def render(self) -> bytes:
+        """The text exposition, after bringing the preemption counter up to the engine's."""
+        total = self._engine.stats.preemptions
+        self.preemptions.inc(max(0, total - self._preemptions_seen))
+        self._preemptions_seen = max(total, self._preemptions_seen)
+        return generate_latest(self.registry)

@@ -1,0 +1,326 @@
+"""OpenAI's wire format: request JSON in, checked; response and stream-chunk JSON out.
+
+Everything a client can get wrong is caught here, before the engine sees the request, and
+becomes an :class:`OpenAIError` that names the offending field (``param``), so the client
+reads *what* was wrong and nothing reaches the engine thread that could disturb other
+requests. Prompts are tokenized here too, so a prompt that leaves no room to generate is a
+400 naming the numbers, as OpenAI and vLLM report it.
+
+The chat endpoint needs a chat template, and our model has none: it was trained to continue
+children's stories, not to follow instructions. :func:`chat_prompt` lays the conversation out
+as a plain transcript ending in ``"Assistant:"`` and lets the model continue it. That keeps
+every chat client working; do not expect the answers to be helpful.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from minillm.sampling import SamplingParams
+from minillm.tokenizer import Tokenizer
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_CHOICES = 64  # prompts x n in one request; more is a batch job, not a request
+
+_KINDS: dict[str, Callable[[Any], bool]] = {
+    "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "a boolean": lambda v: isinstance(v, bool),
+    "a string": lambda v: isinstance(v, str),
+    "an object": lambda v: isinstance(v, dict),
+}
+
+# Fields both endpoints read, with the JSON type each must have (null always means "default").
+# ``prompt``, ``messages`` and ``stop`` have richer shapes and are checked by their own code.
+_COMMON = {
+    "model": "a string", "max_tokens": "an integer", "temperature": "a number", "top_p": "a number",
+    "top_k": "an integer", "seed": "an integer", "n": "an integer", "ignore_eos": "a boolean",
+    "stream": "a boolean", "stream_options": "an object", "user": "a string",
+}
+_COMPLETION_FIELDS = {**_COMMON, "prompt": None, "stop": None}
+_CHAT_FIELDS = {**_COMMON, "messages": None, "stop": None, "max_completion_tokens": "an integer"}
+_KIND_OF = {**_COMPLETION_FIELDS, **_CHAT_FIELDS}
+
+# OpenAI fields we do not implement, accepted at their neutral value (many clients always send
+# them) and refused otherwise, rather than silently ignored.
+_NEUTRAL = {
+    "frequency_penalty": (0,), "presence_penalty": (0,), "logprobs": (False,), "top_logprobs": (0,),
+    "echo": (False,), "best_of": (1,), "suffix": (), "logit_bias": ({},),
+}
+
+CHAT_ROLES = {"system": "", "developer": "", "user": "User: ", "assistant": "Assistant: "}
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None) -> OpenAIError:
+    """A 400: the request itself is wrong, and sending it again will not help."""
+    return OpenAIError(400, message, "invalid_request_error", param)
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What the server knows about the model it serves, for checking requests against it."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass
+class GenerationRequest:
+    """A checked request: its prompts as token ids, and one ``SamplingParams`` per choice.
+
+    Choice ``i * n + j`` is prompt ``i``'s ``j``-th completion, OpenAI's numbering. A seeded
+    request with ``n > 1`` gives choice ``j`` the seed ``seed + j``: reproducible, yet not ``n``
+    copies of one answer.
+    """
+
+    chat: bool
+    prompts: list[list[int]]
+    params: SamplingParams
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+
+    def choices(self) -> list[tuple[list[int], SamplingParams]]:
+        seed = self.params.seed
+        return [(prompt, self.params if seed is None else replace(self.params, seed=seed + j))
+                for prompt in self.prompts for j in range(self.n)]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def parse_completion(body: Any, tokenizer: Tokenizer, card: ModelCard) -> GenerationRequest:
+    """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of token ids
+    or a list of such lists. ``max_tokens`` defaults to OpenAI's 16, cut to what fits."""
+    _check_fields(body, _COMPLETION_FIELDS, card)
+    prompts = [_tokens(p, tokenizer, card.vocab_size) for p in _prompt_list(body.get("prompt"))]
+    max_tokens = _field(body, "max_tokens", None)
+    return _request(body, False, prompts, max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, card)
+
+
+def parse_chat(body: Any, tokenizer: Tokenizer, card: ModelCard) -> GenerationRequest:
+    """``POST /v1/chat/completions``: ``messages`` through :func:`chat_prompt`. Without a
+    limit the answer may run to the end of the context, as OpenAI's does."""
+    _check_fields(body, _CHAT_FIELDS, card)
+    prompt = tokenizer.encode(chat_prompt(body.get("messages")))
+    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return _request(body, True, [prompt], _field(body, param, None), card.max_model_len, card, param)
+
+
+def _check_fields(body: Any, fields: dict[str, str | None], card: ModelCard) -> None:
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    for name, value in body.items():
+        if name in _NEUTRAL:
+            if value is not None and value not in _NEUTRAL[name]:
+                raise invalid(f"{name} is not supported by this server", name)
+        elif name not in fields:
+            raise invalid(f"unrecognized request argument supplied: {name}", name)
+        elif fields[name] is not None:
+            _field(body, name, None)
+    model = body.get("model")
+    if model is not None and model != card.name:
+        raise OpenAIError(404, f"the model {model!r} does not exist; this server serves {card.name!r}",
+                          "invalid_request_error", "model", "model_not_found")
+
+
+def _field(body: dict, name: str, default: Any) -> Any:
+    """``body[name]`` checked against its JSON type, or ``default`` when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return default
+    kind = _KIND_OF[name]
+    if kind is not None and not _KINDS[kind](value):
+        raise invalid(f"{name} must be {kind}, got {_short(value)}", name)
+    return value
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _prompt_list(prompt: Any) -> list[str | list[int]]:
+    """The four shapes OpenAI accepts for ``prompt``, as a list of single prompts."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_KINDS["an integer"](t) for t in prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not all(isinstance(p, (str, list)) for p in prompt):
+        raise invalid("prompt must be a string, a list of strings, a list of token ids, or a list of those", "prompt")
+    if not prompt or not all(prompt):
+        raise invalid("prompt must not be empty", "prompt")
+    return prompt
+
+
+def _tokens(prompt: str | list, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    if not all(_KINDS["an integer"](t) and 0 <= t < vocab_size for t in prompt):
+        raise invalid(f"prompt token ids must be integers in 0..{vocab_size - 1}", "prompt")
+    return list(prompt)
+
+
+def chat_prompt(messages: Any) -> str:
+    """The conversation as a transcript the story model can continue::
+
+        You are a storyteller.           <- system (or developer) messages, as they are
+
+        User: Tell me about a cat.
+        Assistant: Once upon a time ...
+        User: And then?
+        Assistant:                       <- the model writes from here
+    """
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages must be a non-empty list of {role, content} objects", "messages")
+    lines = []
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in CHAT_ROLES:
+            raise invalid(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}", "messages")
+        text = _content(message.get("content"), i)
+        lines.append(f"{CHAT_ROLES[role]}{text}\n" + ("\n" if CHAT_ROLES[role] == "" else ""))
+    return "".join(lines) + "Assistant:"
+
+
+def _content(content: Any, i: int) -> str:
+    """A message's text: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        content = "".join(str(p.get("text", "")) for p in content)
+    if not isinstance(content, str):
+        raise invalid(f"messages[{i}].content must be a string or a list of text parts", "messages")
+    return content
+
+
+def _request(body: dict, chat: bool, prompts: list[list[int]], max_tokens: int | None, default_max: int,
+             card: ModelCard, max_tokens_param: str = "max_tokens") -> GenerationRequest:
+    """Check lengths against the context, then build the ``SamplingParams``."""
+    prompt_param = "messages" if chat else "prompt"
+    longest = max(len(p) for p in prompts)
+    if longest == 0:
+        raise invalid("the prompt encodes to no tokens", prompt_param)
+    room = card.max_model_len - longest
+    if room < 1:
+        raise invalid(f"this model's maximum context length is {card.max_model_len} tokens, "
+                      f"and the prompt has {longest}, leaving no room to generate", prompt_param)
+    if max_tokens is not None and max_tokens < 1:
+        raise invalid(f"{max_tokens_param} must be >= 1, got {max_tokens}", max_tokens_param)
+    if max_tokens is not None and max_tokens > room:
+        raise invalid(f"this model's maximum context length is {card.max_model_len} tokens; you requested "
+                      f"{longest + max_tokens} ({longest} in the prompt, {max_tokens} in the completion)",
+                      max_tokens_param)
+    n = _field(body, "n", 1)
+    if not 1 <= n or len(prompts) * n > MAX_CHOICES:
+        raise invalid(f"n must be >= 1, with at most {MAX_CHOICES} completions per request", "n")
+    stream = _field(body, "stream", False)
+    options = _field(body, "stream_options", None)
+    if options is not None and not stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
+    include_usage = (options or {}).get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise invalid("stream_options.include_usage must be a boolean", "stream_options")
+    top_k = _field(body, "top_k", None)
+    try:
+        params = SamplingParams(
+            max_tokens=min(default_max, room) if max_tokens is None else max_tokens,
+            temperature=_field(body, "temperature", 1.0),
+            top_p=_field(body, "top_p", 1.0),
+            top_k=None if top_k == -1 else top_k,  # vLLM's -1 also means "all tokens"
+            stop=_stop(body.get("stop")),
+            ignore_eos=_field(body, "ignore_eos", False),
+            seed=_field(body, "seed", None),
+        )
+    except ValueError as err:
+        raise invalid(str(err), str(err).split()[0]) from None
+    return GenerationRequest(chat, prompts, params, n, stream, include_usage, _field(body, "user", None))
+
+
+def _stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise invalid("stop must be a non-empty string or a list of them", "stop")
+    return stop
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass
+class Responses:
+    """Builds one request's response bodies, all sharing its id, model and creation time."""
+
+    id: str
+    model: str
+    chat: bool
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _envelope(self, kind: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def full(self, texts: list[str], reasons: list[str | None], counts: dict) -> dict:
+        """The non-streaming answer: every choice's whole text, and the usage."""
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
+                        "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
+        else:
+            choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
+                       for i, (t, r) in enumerate(zip(texts, reasons))]
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {**self._envelope(kind, choices), "usage": counts}
+
+    def chunk(self, index: int, text: str, finish_reason: str | None = None, *, first: bool = False) -> dict:
+        """One streamed piece of one choice. A chat stream opens each choice with the
+        assistant's role, as OpenAI's does; ``usage`` is null until the usage chunk."""
+        if self.chat:
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
+        return {**body, "usage": None} if self.include_usage else body
+
+    def usage_chunk(self, counts: dict) -> dict:
+        """The last chunk before ``[DONE]`` when ``stream_options.include_usage`` is set."""
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._envelope(kind, []), "usage": counts}
+
+
+def sse(data: dict | str) -> bytes:
+    """One server-sent event: ``data: <json>`` and a blank line."""
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+def models_list(card: ModelCard, created: int) -> dict:
+    return {"object": "list", "data": [{"id": card.name, "object": "model", "created": created,
+                                         "owned_by": "minillm", "max_model_len": card.max_model_len}]}

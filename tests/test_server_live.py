@@ -1,0 +1,247 @@
+"""The server on a real socket: the official ``openai`` client, shutdown, and ``python -m server``.
+
+In-process servers run ``server.__main__.serve`` on port 0 in a thread of their own, with
+their own event loop, exactly as ``python -m server`` runs it; the SIGTERM test starts the
+real command in a subprocess on a tiny checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import aiohttp
+import openai
+import pytest
+import torch
+from aiohttp import web
+
+from minillm.checkpoint import save_checkpoint
+from minillm.cli import UsageError
+from minillm.config import ModelConfig
+from minillm.engine.llm_engine import EngineConfig, EngineStats, LLMEngine
+from minillm.model import GPT
+from minillm.tokenizer import get_tokenizer
+from server.__main__ import banner, load, serve
+from server.app import STATE, create_app
+from server.config import ServerConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_model(context_length: int = 128) -> GPT:
+    torch.manual_seed(0)
+    m = GPT(ModelConfig(context_length=context_length, d_model=64, n_layers=2, n_heads=4)).eval()
+    with torch.no_grad():  # peaky logits: greedy decoding has no near-ties
+        for p in m.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    return m
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT:
+    return tiny_model()
+
+
+@dataclass
+class Live:
+    url: str
+    app: web.Application
+    loop: asyncio.AbstractEventLoop  # the server's own event loop, in its thread
+    stop: Callable[[], None]  # what SIGTERM does, callable from any thread
+
+    async def wait_until(self, predicate: Callable[[EngineStats], bool]) -> EngineStats:
+        """``AsyncEngine.wait_until``, run on the server's loop, awaited from the test's."""
+        coro = self.app[STATE].engine.wait_until(predicate)
+        return await asyncio.wait_for(asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop)), 10)
+
+
+@contextlib.contextmanager
+def live_server(engine: LLMEngine, **options) -> Iterator[Live]:
+    """``serve`` in a background thread on a free port, stopped (gracefully) on exit."""
+    config = ServerConfig(port=0, **options)
+    app = create_app(engine, config)
+    ready: queue.Queue = queue.Queue()
+    handles: dict = {}
+
+    async def main() -> None:
+        handles["loop"], handles["stop"] = asyncio.get_running_loop(), asyncio.Event()
+        await serve(app, config, handles["stop"], ready.put)
+
+    def target() -> None:
+        try:
+            asyncio.run(main())
+        except BaseException as err:  # surface a failed start instead of waiting for it
+            ready.put(err)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    port = ready.get(timeout=30)
+    assert isinstance(port, int), port
+    try:
+        loop = handles["loop"]
+        yield Live(f"http://127.0.0.1:{port}", app, loop, lambda: loop.call_soon_threadsafe(handles["stop"].set))
+    finally:
+        handles["loop"].call_soon_threadsafe(handles["stop"].set)
+        thread.join(30)
+        assert not thread.is_alive(), "the server did not shut down"
+
+
+def small_engine(model: GPT) -> LLMEngine:
+    return LLMEngine(model, EngineConfig(num_blocks=64, block_size=8), get_tokenizer())
+
+
+def test_the_official_openai_client(model: GPT) -> None:
+    with live_server(small_engine(model)) as live:
+        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        assert [m.id for m in client.models.list()] == ["minillm"]
+        greedy = dict(model="minillm", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+
+        whole = client.completions.create(prompt="Once upon a time", **greedy)
+        assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 12
+        stream = client.completions.create(prompt="Once upon a time", stream=True, **greedy)
+        assert "".join(c.choices[0].text for c in stream) == whole.choices[0].text
+
+        messages = [{"role": "user", "content": "Tell me a story."}]
+        chat = client.chat.completions.create(messages=messages, **greedy)
+        assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 12
+        chunks = list(client.chat.completions.create(messages=messages, stream=True,
+                                                     stream_options={"include_usage": True}, **greedy))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+        assert chunks[-1].usage.model_dump() == chat.usage.model_dump()
+
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.completions.create(model="minillm", prompt="hi", temperature=-1)
+        assert bad.value.body["param"] == "temperature"
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="gpt-4o", prompt="hi")
+
+
+def slowed(engine: LLMEngine, monkeypatch, seconds: float = 0.01) -> LLMEngine:
+    """The engine, taking at least ``seconds`` a step, so a test can act while it works."""
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(seconds), step())[1])
+    return engine
+
+
+def test_a_client_that_leaves_while_queued_is_dropped_from_the_queue(model: GPT, monkeypatch) -> None:
+    """Only handler cancellation can notice this client: nothing is ever written to it."""
+    engine = slowed(LLMEngine(model, EngineConfig(num_blocks=64, block_size=8, max_num_seqs=1), get_tokenizer()),
+                    monkeypatch)
+
+    async def main(live: Live) -> None:
+        url = f"{live.url}/v1/completions"
+        async with aiohttp.ClientSession() as session:
+            long = {"prompt": "Once", "max_tokens": 60, "ignore_eos": True, "stream": True}
+            async with session.post(url, json=long) as running:  # holds the only seat for >= 0.6 s
+                queued = asyncio.create_task(session.post(url, json={"prompt": "The dog", "max_tokens": 5}))
+                await live.wait_until(lambda s: s.waiting == 1)
+                queued.cancel()  # the client gives up: its connection closes
+                with contextlib.suppress(asyncio.CancelledError):
+                    await queued
+                stats = await live.wait_until(lambda s: s.waiting == 0)
+                assert stats.running == 1 and stats.generated_tokens < 60  # dropped while the other ran
+                assert (await running.read()).endswith(b"data: [DONE]\n\n")
+            metrics = await (await session.get(f"{live.url}/metrics")).text()
+        assert 'minillm:request_success_total{finished_reason="abort"} 1.0' in metrics
+
+    with live_server(engine) as live:
+        asyncio.run(asyncio.wait_for(main(live), 30))
+
+
+def test_shutdown_aborts_what_outlives_the_grace_period(model: GPT, monkeypatch) -> None:
+    engine = slowed(small_engine(model), monkeypatch)  # 120 tokens take >= 1.2 s, longer than the grace
+
+    async def stream_until_shutdown(live: Live) -> list[bytes]:
+        lines = []
+        async with aiohttp.ClientSession() as session:
+            body = {"prompt": "Once", "max_tokens": 120, "ignore_eos": True, "stream": True}
+            async with session.post(f"{live.url}/v1/completions", json=body) as response:
+                lines.append(await response.content.readline())
+                live.stop()
+                with contextlib.suppress(aiohttp.ClientPayloadError):
+                    async for line in response.content:
+                        lines.append(line)
+        return lines
+
+    with live_server(engine, shutdown_grace=0.3) as live:
+        lines = asyncio.run(asyncio.wait_for(stream_until_shutdown(live), 30))
+    assert lines[0].startswith(b"data: ") and b"data: [DONE]\n" not in lines  # cut off, not finished
+    engine_loop = live.app[STATE].engine
+    stats = engine_loop.stats
+    assert (stats.kv_blocks_used, stats.running, stats.waiting) == (0, 0, 0)
+    assert stats.generated_tokens < 120 and not engine_loop.alive
+
+
+def test_load_reports_a_missing_checkpoint_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="--checkpoint: no checkpoint at"):
+        load(ServerConfig(checkpoint=str(tmp_path / "nothing.pt"), device="cpu"))
+    text = banner(ServerConfig(api_key="sekrit"), 8123)
+    assert "http://127.0.0.1:8123/v1/completions" in text and "Bearer $OPENAI_API_KEY" in text
+    assert 'base_url="http://127.0.0.1:8123/v1"' in text and "sekrit" not in text
+
+
+def test_sigterm_during_a_stream_lets_it_finish_and_exits_0(tmp_path: Path) -> None:
+    m = tiny_model(context_length=512)
+    ckpt = save_checkpoint(tmp_path / "ckpt.pt", {"model": m.state_dict(), "model_config": m.cfg.to_dict()})
+    env = {**os.environ, "MINILLM_HOME": str(tmp_path), "MINILLM_SHUTDOWN_GRACE": "30"}
+    command = [sys.executable, "-m", "server", "--checkpoint", str(ckpt), "--port", "0", "--device", "cpu",
+               "--kv-cache-memory", "8MiB"]
+    output: queue.Queue = queue.Queue()
+    seen: list[str] = []
+    with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as proc:
+        reader = threading.Thread(target=lambda: [output.put(line) for line in proc.stdout], daemon=True)
+        reader.start()
+        try:
+            url = _wait_for_url(output, seen)
+            events = asyncio.run(asyncio.wait_for(_stream_through_sigterm(url, proc), 60))
+            assert proc.wait(timeout=60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            reader.join(10)  # the pipe reaches its end once the process is gone
+    while not output.empty():
+        seen.append(output.get())
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 400
+    log = "".join(seen)
+    assert log.index("shutting down") < log.index("status=200 prompt_tokens=1 completion_tokens=400")
+
+
+def _wait_for_url(output: queue.Queue, seen: list[str]) -> str:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = output.get(timeout=max(0.1, deadline - time.monotonic()))
+        seen.append(line)
+        if match := re.search(r"serving .* at (http://\S+)", line):
+            return match.group(1)
+    raise AssertionError("the server never printed its URL:\n" + "".join(seen))
+
+
+async def _stream_through_sigterm(url: str, proc: subprocess.Popen) -> list:
+    """Start a 400-token stream, SIGTERM the server after its first chunk, read to the end."""
+    events = []
+    async with aiohttp.ClientSession() as session:
+        body = {"prompt": "Once", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        async with session.post(f"{url}/v1/completions", json=body) as response:
+            async for line in response.content:
+                if line.startswith(b"data: "):
+                    data = line[6:].decode().strip()
+                    events.append(data if data == "[DONE]" else json.loads(data))
+                    if len(events) == 1:
+                        proc.send_signal(signal.SIGTERM)
+    return events
