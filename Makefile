@@ -3,6 +3,7 @@
 #   make test   - the whole suite: unit tests, then every notebook under nbval
 #   make lab    - JupyterLab on notebooks/
 #   make book   - the HTML book, offline, into _build/html
+#   make loadtest - a load sweep against a running server (start one with make serve first)
 #   make bench  - the engine benchmark (every generation method, one workload) into benchmarks/results
 
 PYTHON ?= python3
@@ -12,7 +13,7 @@ PIP    := $(PY) -m pip install --progress-bar off --quiet
 BASE   := $(VENV)/.installed-base
 DEV    := $(VENV)/.installed-dev
 
-.PHONY: serve test test-unit test-notebooks lab book bench clean
+.PHONY: serve test test-unit test-notebooks lab book bench loadtest clean
 
 serve: $(BASE)
 	$(PY) -m server
@@ -27,6 +28,10 @@ test-notebooks: $(DEV)
 
 lab: $(DEV)
 	$(PY) -m jupyter lab notebooks/
+
+LOADTEST_ARGS ?= --sweep 2,4,8,16,32,64,inf --num-prompts 64 --dataset corpus --slo ttft=500ms,tpot=50ms
+loadtest: $(BASE)
+	$(PY) -m server.loadgen --url http://127.0.0.1:8000 $(LOADTEST_ARGS)
 
 bench: $(DEV)
 	$(PY) -m minillm.bench engine

@@ -10,4 +10,11 @@ The server, in data-flow order (``python -m server`` runs it):
 - ``metrics``: Prometheus metrics with vLLM's names.
 - ``app``: the aiohttp routes: auth, errors, streaming, disconnects, the access log.
 - ``__main__``: load the model, print how to call it, serve, shut down gracefully.
+
+Around it, chapter 10's tools:
+
+- ``loadgen_stats``: latency percentiles, TPOT and goodput, with vLLM's definitions.
+- ``loadgen_client``: workloads, open-loop arrival schedules, one timed streaming request.
+- ``loadgen``: ``python -m server.loadgen``: runs, sweeps, reports, JSON and plots.
+- ``dashboard``: the live page at ``/``, its event stream and its bounded traffic panel.
 """

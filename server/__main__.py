@@ -65,7 +65,7 @@ minillm is serving {name!r} at {url}   (Ctrl+C to stop)
   client = OpenAI(base_url="{url}/v1"{client_key})
   print(client.completions.create(model="{name}", prompt="Once upon a time", max_tokens=40).choices[0].text)
 
-  health {url}/health   metrics {url}/metrics
+  dashboard {url}/   health {url}/health   metrics {url}/metrics
 """.rstrip() + "\n"
 
 

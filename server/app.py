@@ -30,6 +30,7 @@ from aiohttp import web
 from minillm.engine.llm_engine import LLMEngine
 from minillm.tokenizer import Tokenizer
 from server.config import ServerConfig
+from server.dashboard import add_dashboard
 from server.engine_loop import AsyncEngine, EngineFailure, Event, QueueFull, Rejected, RequestStream, ShuttingDown
 from server.metrics import CONTENT_TYPE, Metrics
 from server.protocol import (GenerationRequest, ModelCard, OpenAIError, Responses, invalid, models_list,
@@ -70,6 +71,7 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    add_dashboard(app, app[STATE])  # GET /, its event stream and the traffic panel (chapter 10)
     app.on_startup.append(_start_engine)
     app.on_shutdown.append(_stop_accepting)
     app.on_cleanup.append(_stop_engine)

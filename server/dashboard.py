@@ -1,0 +1,317 @@
+"""The live dashboard (chapter 10): ``GET /`` shows the server's vital signs as they move.
+
+One sampler task per server reads the engine's latest stats and the Prometheus histograms
+every ``TICK_S`` and turns them into one small JSON snapshot; every open page receives each
+snapshot over server-sent events (``GET /dashboard/events``). The work is one snapshot per
+tick however many pages watch: no page polls, and a page that connects first gets the recent
+history, so its charts start full.
+
+What a snapshot holds, and where it comes from:
+
+- tokens/s and requests/s: the engine's generated-token counter and the finished-request
+  count, differenced over the last ``RATE_WINDOW_S`` seconds;
+- running and waiting requests, KV-cache usage, preemptions: the engine's stats snapshot;
+- batch size: how many sequences the engine's latest step ran (``engine.last_step``);
+- TTFT and ITL percentiles over the last ``LATENCY_WINDOW_S`` seconds: the difference of the
+  ``/metrics`` histograms' bucket counts across the window, read the way Prometheus'
+  ``histogram_quantile`` reads them. These are server-side and bucketed: a percentile is
+  only as exact as its bucket, unlike the load generator's exact client-side ones.
+
+The traffic panel (``POST``/``DELETE /dashboard/traffic``) runs the load generator's
+:class:`LoadRun` inside the server against its own address, capped in rate, duration and
+count, so a visitor can push the server past its knee and watch latency climb. It is off on
+a server with ``--api-key``: a visitor without the key must not be able to load it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Sequence
+
+from aiohttp import web
+from prometheus_client import Histogram
+
+from server.loadgen_client import LoadRun, LoadSpec
+from server.loadgen_stats import Summary
+from server.protocol import OpenAIError, invalid, sse
+
+if TYPE_CHECKING:
+    from server.app import State
+
+STATIC = Path(__file__).resolve().parent / "static"
+TICK_S = 0.5
+HISTORY = 240  # snapshots a page receives when it connects: two minutes
+RATE_WINDOW_S = 2.0
+LATENCY_WINDOW_S = 30.0
+QUANTILES = (0.5, 0.95, 0.99)
+# The traffic panel's bounds: a visitor can overload the server, but only briefly.
+MAX_TRAFFIC_RATE = 100.0
+MAX_TRAFFIC_SECONDS = 120.0
+MAX_TRAFFIC_REQUESTS = 5000
+TRAFFIC_REQUEST_TIMEOUT_S = 30.0
+
+
+def histogram_quantile(bounds: Sequence[float], cumulative: Sequence[float], q: float) -> float | None:
+    """The ``q`` quantile (0..1) of a histogram, as Prometheus estimates it: find the bucket
+    holding rank ``q * total`` and interpolate linearly inside it (the first bucket starts at
+    0). A rank in the ``+Inf`` bucket returns the largest finite bound. None when empty."""
+    total = cumulative[-1] if cumulative else 0
+    if total <= 0:
+        return None
+    rank = q * total
+    i = next(i for i, count in enumerate(cumulative) if count >= rank)
+    if math.isinf(bounds[i]):
+        return bounds[i - 1] if i > 0 else None
+    lower, below = (bounds[i - 1], cumulative[i - 1]) if i > 0 else (0.0, 0.0)
+    return lower + (bounds[i] - lower) * (rank - below) / (cumulative[i] - below)
+
+
+def buckets(histogram: Histogram) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """A histogram's upper bounds and cumulative counts, ``+Inf`` last."""
+    samples = [s for s in histogram.collect()[0].samples if s.name.endswith("_bucket")]
+    return tuple(float(s.labels["le"]) for s in samples), tuple(s.value for s in samples)
+
+
+@dataclass(frozen=True)
+class Counters:
+    """The cumulative counts one tick reads; a window is the difference of two of these."""
+
+    time: float
+    tokens: int
+    finished: float
+    ttft: tuple[float, ...]
+    itl: tuple[float, ...]
+
+
+class StatsFeed:
+    """Samples the server every ``TICK_S`` and hands each snapshot to every open page."""
+
+    def __init__(self, state: State, traffic: Callable[[], dict]) -> None:
+        self._engine, self._metrics, self._traffic = state.engine, state.metrics, traffic
+        self._bounds = {"ttft": buckets(state.metrics.ttft)[0], "itl": buckets(state.metrics.itl)[0]}
+        self._counters: deque[Counters] = deque(maxlen=int(LATENCY_WINDOW_S / TICK_S) + 1)
+        self.history: deque[dict] = deque(maxlen=HISTORY)
+        self._ticks = 0
+        self._changed = asyncio.Condition()
+        self._task: asyncio.Task | None = None
+        self._started = time.monotonic()
+        self.closed = False
+
+    async def start(self, app: web.Application) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def close(self) -> None:
+        """End every page's stream (graceful shutdown must not wait for them) and the sampler."""
+        self.closed = True
+        async with self._changed:
+            self._changed.notify_all()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            self.history.append(self.snapshot())
+            self._ticks += 1
+            async with self._changed:
+                self._changed.notify_all()
+            await asyncio.sleep(TICK_S)
+
+    async def updates(self) -> AsyncIterator[dict]:
+        """The recent history, then each new snapshot as it is taken, until the feed closes."""
+        seen = self._ticks
+        for snapshot in list(self.history):
+            yield snapshot
+        while not self.closed:
+            async with self._changed:
+                await self._changed.wait_for(lambda: self._ticks > seen or self.closed)
+            if self.closed:
+                return
+            seen = self._ticks
+            yield self.history[-1]
+
+    def _read(self) -> Counters:
+        return Counters(time.monotonic(), self._engine.stats.generated_tokens, buckets(self._metrics.e2e)[1][-1],
+                        buckets(self._metrics.ttft)[1], buckets(self._metrics.itl)[1])
+
+    def snapshot(self) -> dict:
+        """Now, as the page shows it: rates over ``RATE_WINDOW_S``, latency percentiles (ms)
+        over ``LATENCY_WINDOW_S``, and the engine's current state."""
+        now = self._read()
+        self._counters.append(now)
+        back = min(len(self._counters) - 1, int(RATE_WINDOW_S / TICK_S))
+        then, oldest = self._counters[-1 - back], self._counters[0]
+        elapsed = now.time - then.time
+        stats = self._engine.stats
+        last_step = self._engine.engine.last_step  # replaced whole by each step: safe to read here
+        return {
+            "t": round(now.time - self._started, 2),
+            "tokens_per_s": round((now.tokens - then.tokens) / elapsed, 1) if elapsed > 0 else 0.0,
+            "requests_per_s": round((now.finished - then.finished) / elapsed, 2) if elapsed > 0 else 0.0,
+            "running": stats.running,
+            "waiting": stats.waiting,
+            "batch_size": len(last_step.chunks) if last_step is not None and stats.running else 0,
+            "kv_cache_usage": round(stats.kv_cache_usage, 4),
+            "preemptions": stats.preemptions,
+            "ttft_ms": self._window_quantiles("ttft", now.ttft, oldest.ttft),
+            "itl_ms": self._window_quantiles("itl", now.itl, oldest.itl),
+            "traffic": self._traffic(),
+        }
+
+    def _window_quantiles(self, name: str, now: tuple[float, ...], then: tuple[float, ...]) -> dict:
+        window = [a - b for a, b in zip(now, then)]
+        values = (histogram_quantile(self._bounds[name], window, q) for q in QUANTILES)
+        return {f"p{round(q * 100)}": None if v is None else round(v * 1e3, 2) for q, v in zip(QUANTILES, values)}
+
+
+class Traffic:
+    """The panel's built-in load: at most one bounded :class:`LoadRun` at a time."""
+
+    def __init__(self, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+        self.load: LoadRun | None = None
+        self.task: asyncio.Task | None = None
+        self.summary: Summary | None = None
+        self.error: str | None = None
+        self.started = 0.0
+
+    def spec_from(self, url: str, body: object) -> LoadSpec:
+        """The visitor's settings, checked against the panel's bounds (400 otherwise)."""
+        if not isinstance(body, dict):
+            raise invalid("the body must be a JSON object")
+        rate = _number(body, "request_rate", MAX_TRAFFIC_RATE)
+        duration = _number(body, "duration", MAX_TRAFFIC_SECONDS)
+        input_len = _integer(body, "input_len", self.max_model_len - 1)
+        output_len = _integer(body, "output_len", self.max_model_len - input_len)
+        return LoadSpec(url=url, num_prompts=MAX_TRAFFIC_REQUESTS, duration=duration, request_rate=rate,
+                        input_len=input_len, output_len=output_len, warmup=0,
+                        request_timeout=TRAFFIC_REQUEST_TIMEOUT_S)
+
+    async def start(self, spec: LoadSpec) -> None:
+        await self.stop()
+        self.load, self.summary, self.error, self.started = LoadRun(spec), None, None, time.monotonic()
+        self.task = asyncio.create_task(self.load.run())
+        self.task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        if task.exception() is not None:
+            self.error = f"{type(task.exception()).__name__}: {task.exception()}"
+        else:
+            self.summary = task.result()
+
+    async def stop(self) -> None:
+        """Stop sending and cancel what is in flight; the summary covers what finished."""
+        if self.task is None or self.task.done():
+            return
+        self.load.stop()
+        with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.task), 5)
+
+    def status(self) -> dict:
+        """The panel's line: idle, running (with counts so far), or the last run's outcome."""
+        if self.load is None:
+            return {"state": "idle"}
+        load, spec = self.load, self.load.spec
+        done = [r for r in load.results if r.ok]
+        status = {"state": "running" if not self.task.done() else ("failed" if self.error else "finished"),
+                  "request_rate": spec.request_rate, "input_len": spec.input_len, "output_len": spec.output_len,
+                  "sent": load.sent, "completed": len(done), "failed": len(load.results) - len(done),
+                  "in_flight": load.in_flight,
+                  "seconds_left": round(max(0.0, spec.duration - (time.monotonic() - self.started)), 1),
+                  "error": self.error}
+        if self.summary is not None:
+            status["output_throughput"] = self.summary.output_throughput
+            status["ttft_p99_ms"] = self.summary.ttft_ms.p99
+        return status
+
+
+def _number(body: dict, name: str, high: float) -> float:
+    value = body.get(name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= high:
+        raise invalid(f"{name} must be a number in (0, {high:g}], got {value!r}", name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, high: int) -> int:
+    value = body.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+        raise invalid(f"{name} must be an integer in [1, {high}], got {value!r}", name)
+    return value
+
+
+@dataclass
+class Dashboard:
+    feed: StatsFeed
+    traffic: Traffic
+    locked: bool  # the server wants an API key: no anonymous traffic
+
+
+DASHBOARD = web.AppKey("dashboard", Dashboard)
+
+
+def add_dashboard(app: web.Application, state: State) -> None:
+    """Mount the page, its static files, the event stream and the traffic endpoints."""
+    traffic = Traffic(state.card.max_model_len)
+    feed = StatsFeed(state, traffic.status)
+    app[DASHBOARD] = Dashboard(feed, traffic, state.api_key is not None)
+    app.router.add_get("/", index)
+    app.router.add_static("/dashboard/static", STATIC)
+    app.router.add_get("/dashboard/events", events)
+    app.router.add_post("/dashboard/traffic", start_traffic)
+    app.router.add_delete("/dashboard/traffic", stop_traffic)
+    app.on_startup.append(feed.start)
+    app.on_shutdown.append(_close)
+
+
+async def _close(app: web.Application) -> None:
+    await app[DASHBOARD].traffic.stop()
+    await app[DASHBOARD].feed.close()
+
+
+async def index(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(STATIC / "index.html")
+
+
+async def events(request: web.Request) -> web.StreamResponse:
+    """Server-sent events: one JSON snapshot per tick until the page leaves or the server stops."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    with contextlib.suppress(ConnectionResetError):  # the page went away between two writes
+        async with contextlib.aclosing(request.app[DASHBOARD].feed.updates()) as updates:
+            async for snapshot in updates:
+                await response.write(sse(snapshot))
+        await response.write_eof()
+    return response
+
+
+def own_url(request: web.Request) -> str:
+    """This server's address as the visitor's connection reached it: the traffic goes there."""
+    host, port = request.transport.get_extra_info("sockname")[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+async def start_traffic(request: web.Request) -> web.Response:
+    dashboard = request.app[DASHBOARD]
+    if dashboard.locked:
+        raise OpenAIError(403, "the traffic panel is off on a server that requires an API key",
+                          "invalid_request_error", None, "traffic_disabled")
+    try:
+        body = await request.json()
+    except ValueError:
+        raise invalid("the body must be JSON") from None
+    await dashboard.traffic.start(dashboard.traffic.spec_from(own_url(request), body))
+    return web.json_response(dashboard.traffic.status(), status=202)
+
+
+async def stop_traffic(request: web.Request) -> web.Response:
+    await request.app[DASHBOARD].traffic.stop()
+    return web.json_response(request.app[DASHBOARD].traffic.status())

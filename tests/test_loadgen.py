@@ -1,0 +1,170 @@
+"""The load generator: its arithmetic by hand, then real runs against a tiny model's server.
+
+Live runs reuse ``test_server_live``'s in-process server (``serve`` on a free port of
+127.0.0.1, in its own thread); ``asyncio.run`` with a timeout drives each, so none can hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import socket
+import statistics
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from test_server_live import live_server, slowed, small_engine, tiny_model
+
+from minillm.cli import UsageError
+from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.model import GPT
+from minillm.tokenizer import EOT_ID, get_tokenizer
+from server import loadgen_client
+from server.loadgen import LoadRun, LoadSpec, RequestResult, arrival_times, main, parse_slo, percentile, summarize
+from server.loadgen_client import prompts
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT:
+    return tiny_model()
+
+
+def load(spec: LoadSpec, timeout: float = 60) -> tuple[LoadRun, object]:
+    """Run ``spec`` to the end; returns the run (for its per-request results) and its summary."""
+    run = LoadRun(spec)
+    return run, asyncio.run(asyncio.wait_for(run.run(), timeout))
+
+
+# ----------------------------------------------------------------------------- by hand
+
+
+def test_percentiles_interpolate_linearly_between_ranks() -> None:
+    # rank h = (n - 1) * q / 100 over [1, 2, 3, 4]: p50 -> h 1.5, p95 -> 2.85, p99 -> 2.97
+    assert percentile([4, 1, 3, 2], 50) == 2.5
+    assert percentile([1, 2, 3, 4], 95) == pytest.approx(3.85)
+    assert percentile([1, 2, 3, 4], 99) == pytest.approx(3.97)
+    assert (percentile([1, 2, 3, 4], 0), percentile([1, 2, 3, 4], 100), percentile([7.0], 99)) == (1, 4, 7.0)
+    values = [random.Random(1).expovariate(1) for _ in range(101)]
+    for q in (1, 50, 90, 95, 99):
+        assert percentile(values, q) == pytest.approx(np.percentile(values, q))  # numpy's default method
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_poisson_and_gamma_arrivals_have_the_asked_rate_and_spread() -> None:
+    def gaps(rate: float, burstiness: float) -> list[float]:
+        times = arrival_times(rate, burstiness, random.Random(0))
+        points = [next(times) for _ in range(20_001)]
+        return [b - a for a, b in zip(points, points[1:])]
+
+    for burstiness, cv in ((1.0, 1.0), (4.0, 0.5), (0.25, 2.0)):  # a gamma's CV is 1 / sqrt(shape)
+        g = gaps(10.0, burstiness)
+        assert statistics.fmean(g) == pytest.approx(0.1, rel=0.05)
+        assert statistics.stdev(g) / statistics.fmean(g) == pytest.approx(cv, rel=0.1)
+    at_once = arrival_times(math.inf, 1.0, random.Random(0))
+    assert [next(at_once) for _ in range(5)] == [0.0] * 5
+
+
+def test_summary_tpot_and_goodput_by_hand() -> None:
+    fast = RequestResult(4, 5, ttft=0.1, itl=[0.05] * 4, e2e=0.3, output_tokens=5)  # TPOT 0.05
+    slow = RequestResult(6, 5, ttft=0.6, itl=[0.2] * 4, e2e=1.4, output_tokens=5)  # TPOT 0.2
+    single = RequestResult(2, 1, ttft=0.2, e2e=0.2, output_tokens=1)  # no TPOT
+    refused = RequestResult(3, 5, error="HTTP 429")
+    s = summarize([fast, slow, single, refused], duration_s=2.0, peak_concurrency=3,
+                  slo=parse_slo("ttft=500ms,tpot=100ms"))
+    assert (s.completed, s.failed, s.errors) == (3, 1, {"HTTP 429": 1})
+    assert (s.input_tokens, s.output_tokens) == (12, 11)
+    assert (s.request_throughput, s.output_throughput, s.total_token_throughput) == (1.5, 5.5, 11.5)
+    assert s.goodput == 1.0  # fast and single meet both; slow misses both
+    assert s.tpot_ms.mean == pytest.approx(125) and s.tpot_ms.p50 == pytest.approx(125)
+    assert s.ttft_ms.p50 == pytest.approx(200) and s.e2el_ms.mean == pytest.approx(633.333, rel=1e-4)
+    assert len([g for r in (fast, slow) for g in r.itl]) == 8 and s.itl_ms.p50 == pytest.approx(125)
+    assert summarize([refused], 1.0, 1).ttft_ms.p99 is None
+
+
+def test_slos_and_specs_are_checked() -> None:
+    assert parse_slo("ttft=500ms, tpot=100,e2e=2s") == {"ttft": 0.5, "tpot": 0.1, "e2el": 2.0}
+    for bad in ("ttft", "latency=1s", "ttft=fast", "tpot=-1ms"):
+        with pytest.raises(ValueError):
+            parse_slo(bad)
+    with pytest.raises(ValueError, match="bound"):
+        LoadSpec(num_prompts=None)
+    with pytest.raises(ValueError, match="infinite"):
+        LoadSpec(num_prompts=None, duration=5)
+    with pytest.raises(ValueError, match="range_ratio"):
+        LoadSpec(range_ratio=1.0)
+    assert LoadSpec(input_len=100, range_ratio=0.5).length_range(100) == (50, 150)
+
+
+def test_prompts_are_random_tokens_or_corpus_windows_of_the_asked_lengths(monkeypatch) -> None:
+    spec = LoadSpec(input_len=10, output_len=20, range_ratio=0.5)
+    pairs = [pair for pair, _ in zip(prompts(spec, random.Random(0)), range(200))]
+    assert {len(p) for p, _ in pairs} <= set(range(5, 16)) and {n for _, n in pairs} <= set(range(10, 31))
+    assert all(0 <= t < EOT_ID for p, _ in pairs for t in p) and len({len(p) for p, _ in pairs}) > 5
+    monkeypatch.setattr(loadgen_client, "_corpus_tokens", lambda: np.arange(1000, dtype=np.uint16))
+    for (prompt, _), _ in zip(prompts(replace(spec, dataset="corpus"), random.Random(0)), range(20)):
+        assert prompt == list(range(prompt[0], prompt[0] + len(prompt)))  # a contiguous window
+
+
+# ----------------------------------------------------------------------------- live
+
+
+def test_a_run_against_a_real_server_adds_up(model: GPT, tmp_path) -> None:
+    with live_server(small_engine(model)) as live:
+        spec = LoadSpec(url=live.url, num_prompts=24, request_rate=50, max_concurrency=6, input_len=12,
+                        output_len=10, range_ratio=0.5, slo=parse_slo("ttft=2s,tpot=1s"), seed=3)
+        run, s = load(spec)
+        assert main(["--url", live.url, "--num-prompts", "6", "--sweep", "20,inf", "--input-len", "8",
+                     "--output-len", "6", "--slo", "ttft=1ms", "--out", str(tmp_path)]) == 0
+    assert (s.completed, s.failed, run.sent) == (24, 0, 24)
+    assert 1 <= s.peak_concurrency <= 6
+    asked = [r.output_len for r in run.results]
+    assert [r.output_tokens for r in run.results] == asked and s.output_tokens == sum(asked)  # ignore_eos
+    assert set(asked) != {10}  # lengths varied with range_ratio
+    for lat in (s.ttft_ms, s.tpot_ms, s.itl_ms, s.e2el_ms):
+        assert 0 < lat.p50 <= lat.p95 <= lat.p99
+    assert all(0 < r.ttft <= r.e2e for r in run.results)
+    assert s.goodput <= s.request_throughput and s.output_throughput > s.request_throughput
+
+    report = json.loads((tmp_path / "loadtest-sweep.json").read_text())
+    assert [r["request_rate"] for r in report["runs"]] == [20.0, "inf"] and report["clock"].startswith("client")
+    assert all(r["completed"] == 6 and r["goodput"] <= r["request_throughput"] for r in report["runs"])
+    assert "api_key" not in report["spec"] and (tmp_path / "loadtest-sweep.png").stat().st_size > 10_000
+
+
+def test_a_slower_server_shifts_the_latencies_by_its_delay(model: GPT, monkeypatch) -> None:
+    spec = LoadSpec(num_prompts=6, request_rate=math.inf, input_len=8, output_len=8, warmup=1)
+    with live_server(small_engine(model)) as live:
+        _, fast = load(replace(spec, url=live.url))
+    with live_server(slowed(small_engine(model), monkeypatch, seconds=0.025)) as live:
+        _, slow = load(replace(spec, url=live.url))
+    # Every step now sleeps 25 ms first: each token, the first included, waits at least that.
+    assert slow.ttft_ms.p50 >= 25 and slow.tpot_ms.p50 >= 25 and slow.itl_ms.p50 >= 25
+    assert slow.tpot_ms.p50 >= fast.tpot_ms.p50 + 15 and slow.e2el_ms.p50 >= fast.e2el_ms.p50 + 15 * 7
+
+
+def test_refusals_are_counted_by_status(model: GPT, monkeypatch) -> None:
+    """One seat and a one-request queue: of six requests at once, most are refused with 429."""
+    engine = slowed(LLMEngine(model, EngineConfig(num_blocks=64, block_size=8, max_num_seqs=1), get_tokenizer()),
+                    monkeypatch)
+    with live_server(engine, max_queue=1) as live:
+        run, s = load(LoadSpec(url=live.url, num_prompts=6, input_len=4, output_len=20, warmup=0))
+    assert s.completed + s.failed == 6 == len(run.results)
+    assert s.completed >= 1 and s.errors.get("HTTP 429", 0) >= 3 and set(s.errors) == {"HTTP 429"}
+
+
+def test_command_line_problems_are_one_line_errors(model: GPT, tmp_path) -> None:
+    with socket.socket() as sock:  # a port with nobody listening
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with pytest.raises(UsageError, match="no server answered"):
+        main(["--url", closed, "--num-prompts", "1", "--out", str(tmp_path)])
+    for argv in (["--sweep", "1,fast"], ["--sweep", "0,1"], ["--slo", "ttft"], ["--request-rate", "0"]):
+        with pytest.raises(UsageError):
+            main(argv + ["--url", closed, "--out", str(tmp_path)])
+    with live_server(small_engine(model)) as live:  # 128 positions of context
+        with pytest.raises(UsageError, match="context of 128"):
+            main(["--url", live.url, "--input-len", "100", "--output-len", "40", "--out", str(tmp_path)])
