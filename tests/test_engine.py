@@ -156,3 +156,11 @@ def test_a_failing_step_still_returns_finished_blocks(model: GPT) -> None:
     assert engine.abort("b")
     assert not engine.has_unfinished
     assert engine.stats().kv_blocks_used == 0
+
+
+def test_decodes_split_into_length_sorted_groups_give_the_same_tokens(model: GPT, reference, monkeypatch) -> None:
+    from minillm.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "DECODE_GROUP", 2)  # seven requests -> four attention groups
+    tokens, _ = engine_tokens(model, prompts(), LIMITS)
+    assert tokens == reference

@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from minillm.engine.kv_cache import PagedAttention, PagedKVPool, PrefillChunk
+from minillm.engine.kv_cache import DecodeGroup, PagedAttention, PagedKVPool, PrefillChunk
 from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from minillm.model import GPT
 from minillm.sampling import make_generator, sample
+
+
+# Decodes attended together in one call. Larger groups mean fewer calls but more padding
+# (every member is padded to the longest); 16 length-sorted sequences keep both small.
+DECODE_GROUP = 16
 
 
 class ModelRunner:
@@ -34,16 +39,12 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> list[int | None]:
         """Run one step; returns, per chunk in ``output.chunks`` order, the sampled token, or
         ``None`` for a chunk that does not reach its sequence's end (a partial prefill)."""
-        decodes = [c for c in output.chunks if c.num_tokens == 1]
+        decodes = sorted((c for c in output.chunks if c.num_tokens == 1), key=lambda c: c.start)
         prefills = [c for c in output.chunks if c.num_tokens > 1]
         ordered = decodes + prefills
         tokens, positions, slots = self._flatten(ordered)
         attention = PagedAttention(
-            self.pool,
-            slots,
-            len(decodes),
-            *self._block_tables(decodes),
-            self._prefill_chunks(prefills, offset=len(decodes)),
+            self.pool, slots, self._decode_groups(decodes), self._prefill_chunks(prefills, offset=len(decodes))
         )
         hidden = self.model.hidden_states(tokens[None], positions[None], attention)[0]
         ends = torch.tensor(_cumulative_ends(ordered), device=self.device)
@@ -71,18 +72,20 @@ class ModelRunner:
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(tokens), as_tensor(positions), as_tensor(slots)
 
-    def _block_tables(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decodes' block tables padded to the longest with block 0 (masked out by length),
-        and each sequence's length including the token being decoded."""
+    def _decode_groups(self, decodes: list[ScheduledChunk]) -> list[DecodeGroup]:
+        """Decodes (already sorted by length) in groups of ``DECODE_GROUP``, each with its
+        block tables padded to the group's longest (with block 0, masked out by length)."""
         bs = self.pool.block_size
-        lengths = [c.start + 1 for c in decodes]
-        width = max(((n + bs - 1) // bs for n in lengths), default=0)
-        tables = [c.seq.block_table[: (n + bs - 1) // bs] for c, n in zip(decodes, lengths)]
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        return (
-            torch.tensor(padded, dtype=torch.long, device=self.device).view(len(decodes), width),
-            torch.tensor(lengths, dtype=torch.long, device=self.device),
-        )
+        groups = []
+        for start in range(0, len(decodes), DECODE_GROUP):
+            members = decodes[start : start + DECODE_GROUP]
+            lengths = torch.tensor([c.start + 1 for c in members], device=self.device)
+            width = (int(lengths.max()) + bs - 1) // bs
+            tables = [c.seq.block_table[:width] for c in members]
+            blocks = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
+            mask = torch.arange(width * bs, device=self.device)[None, :] < lengths[:, None]
+            groups.append(DecodeGroup(start, start + len(members), width, blocks.flatten(), mask[:, None, None, :]))
+        return groups
 
     def _prefill_chunks(self, prefills: list[ScheduledChunk], offset: int) -> list[PrefillChunk]:
         bs = self.pool.block_size
