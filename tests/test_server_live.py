@@ -12,10 +12,7 @@ import contextlib
 import json
 import os
 import queue
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -37,8 +34,8 @@ from minillm.tokenizer import get_tokenizer
 from server.__main__ import banner, load, serve
 from server.app import STATE, create_app
 from server.config import ServerConfig
+from server.launch import start_server
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_model(context_length: int = 128) -> GPT:
@@ -198,37 +195,20 @@ def test_sigterm_during_a_stream_lets_it_finish_and_exits_0(tmp_path: Path) -> N
     m = tiny_model(context_length=512)
     ckpt = save_checkpoint(tmp_path / "ckpt.pt", {"model": m.state_dict(), "model_config": m.cfg.to_dict()})
     env = {**os.environ, "MINILLM_HOME": str(tmp_path), "MINILLM_SHUTDOWN_GRACE": "30"}
-    command = [sys.executable, "-m", "server", "--checkpoint", str(ckpt), "--port", "0", "--device", "cpu",
-               "--kv-cache-memory", "8MiB"]
-    output: queue.Queue = queue.Queue()
-    seen: list[str] = []
-    with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True) as proc:
-        reader = threading.Thread(target=lambda: [output.put(line) for line in proc.stdout], daemon=True)
-        reader.start()
-        try:
-            url = _wait_for_url(output, seen)
-            events = asyncio.run(asyncio.wait_for(_stream_through_sigterm(url, proc), 60))
-            assert proc.wait(timeout=60) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            reader.join(10)  # the pipe reaches its end once the process is gone
-    while not output.empty():
-        seen.append(output.get())
+    with start_server(ckpt, "--device", "cpu", "--kv-cache-memory", "8MiB", timeout=60, env=env) as server:
+        events = asyncio.run(asyncio.wait_for(_stream_through_sigterm(server.url, server.proc), 60))
+        assert server.proc.wait(timeout=60) == 0
     assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 400
-    log = "".join(seen)
+    deadline = time.monotonic() + 10  # the reader thread may still be collecting the last lines
+    while "status=200 prompt_tokens=1 completion_tokens=400" not in server.output() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log = server.output()
     assert log.index("shutting down") < log.index("status=200 prompt_tokens=1 completion_tokens=400")
 
 
-def _wait_for_url(output: queue.Queue, seen: list[str]) -> str:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = output.get(timeout=max(0.1, deadline - time.monotonic()))
-        seen.append(line)
-        if match := re.search(r"serving .* at (http://\S+)", line):
-            return match.group(1)
-    raise AssertionError("the server never printed its URL:\n" + "".join(seen))
+def test_start_server_reports_a_server_that_never_comes_up(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="no checkpoint at"):
+        start_server(tmp_path / "missing.pt", "--device", "cpu", timeout=60)
 
 
 async def _stream_through_sigterm(url: str, proc: subprocess.Popen) -> list:

@@ -1,0 +1,105 @@
+"""Run ``python -m server`` as a child process: for notebooks, scripts and tests.
+
+The server picks a free port (``--port 0``) and prints its address in a banner once it
+listens; :func:`start_server` waits for that line and for ``GET /health`` to answer 200, so
+the caller gets a URL it can use at once. A started server must also be stopped: the
+process is registered with ``atexit``, and :meth:`ServerProcess.stop` sends SIGTERM, which
+lets in-flight requests finish before the server exits 0.
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+_BANNER = re.compile(r"serving .* at (http://\S+)")
+
+
+class ServerProcess:
+    """A running ``python -m server`` child; ``log`` collects every line it prints."""
+
+    def __init__(self, proc: subprocess.Popen, url: str, log: list[str]) -> None:
+        self.proc, self.url, self.log = proc, url, log
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def output(self) -> str:
+        return "".join(self.log)
+
+    def stop(self, grace: float = 30) -> int:
+        """SIGTERM, then wait for the graceful exit; kill after ``grace`` + 10 s. Returns the
+        exit status (0 after a clean shutdown). Safe to call twice."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace + 10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_server(checkpoint: str | Path, *flags: str, timeout: float = 300, env: dict | None = None) -> ServerProcess:
+    """Start the server on ``checkpoint`` with extra ``flags`` on a free port; return once it
+    answers ``/health``. Raises ``RuntimeError`` with the server's output if it exits or does
+    not come up within ``timeout`` seconds."""
+    command = [sys.executable, "-m", "server", "--checkpoint", str(checkpoint), "--port", "0", *flags]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    log: list[str] = []
+    lines: queue.Queue[str | None] = queue.Queue()
+    threading.Thread(target=_pump, args=(proc, log, lines), daemon=True).start()
+    server = ServerProcess(proc, "", log)
+    atexit.register(server.stop)  # however the caller ends, the server ends with it
+    deadline = time.monotonic() + timeout
+    try:
+        server.url = _wait_for_banner(lines, deadline)
+        _wait_for_health(server.url, deadline)
+    except (RuntimeError, queue.Empty):
+        server.stop()
+        raise RuntimeError(f"the server did not come up; it printed:\n{server.output()}") from None
+    return server
+
+
+def _pump(proc: subprocess.Popen, log: list[str], lines: queue.Queue) -> None:
+    for line in proc.stdout:
+        log.append(line)
+        lines.put(line)
+    lines.put(None)  # the process closed its output: it has exited
+
+
+def _wait_for_banner(lines: queue.Queue, deadline: float) -> str:
+    while True:
+        line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+        if line is None:
+            raise RuntimeError("the server exited")
+        if match := _BANNER.search(line):
+            return match.group(1)
+
+
+def _wait_for_health(url: str, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        time.sleep(0.1)
+    raise RuntimeError("the server never reported healthy")
