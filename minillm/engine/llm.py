@@ -19,12 +19,13 @@ from tqdm.auto import tqdm
 
 from minillm.checkpoint import load_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.hardware import DTYPES as HW_DTYPES
 from minillm.model import GPT
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+# Chapter 1's short names (fp32, bf16, fp16) and PyTorch's own (float32, bfloat16, float16).
+DTYPES = {**HW_DTYPES, **{str(dtype).removeprefix("torch."): dtype for dtype in HW_DTYPES.values()}}
 
 
 @dataclass
