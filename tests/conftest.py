@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -20,6 +24,20 @@ def home(tmp_path, monkeypatch):
 def artifacts() -> Path:
     """``test-artifacts/`` at the repository root (git ignores it): screenshots and other
     files a test leaves behind for a person, or CI, to look at."""
-    path = Path(__file__).resolve().parents[1] / "test-artifacts"
+    path = ROOT / "test-artifacts"
     path.mkdir(exist_ok=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def built_book(tmp_path_factory) -> Path:
+    """The book built once per test session, as ``make book`` builds it (Sphinx warnings are
+    errors, nitpicky cross-references): the ``_build/html`` folder."""
+    out = tmp_path_factory.mktemp("book")
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "jupyter-book"), "build", "--warningiserror", "--nitpick", "--keep-going",
+         "--path-output", str(out), str(ROOT)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out / "_build" / "html"

@@ -1,40 +1,27 @@
 """The live dashboard: its quantile arithmetic, its event stream and traffic endpoints, and the
 page itself in headless Chromium.
 
-The browser test drives Debian's ``chromium`` through Playwright (which never downloads a
-browser here). It must run, not skip: CI installs chromium, and a missing browser fails it.
+The browser test drives Debian's ``chromium`` through Playwright (see ``browser.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 
 import aiohttp
 import pytest
-from playwright.sync_api import sync_playwright
+from browser import headless_chromium
 from test_server_live import Live, live_server, slowed, small_engine, tiny_model
 
 from minillm.model import GPT
 from server.dashboard import MAX_TRAFFIC_RATE, histogram_quantile
 
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu"]
-
-
 @pytest.fixture(scope="module")
 def model() -> GPT:
     return tiny_model()
-
-
-def chromium() -> str:
-    """Debian's chromium: ``$CHROMIUM``, else whichever ``chromium`` is on the PATH."""
-    path = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-    assert path, "the dashboard test needs chromium (apt-get install chromium, or set CHROMIUM=/path)"
-    return path
 
 
 def test_histogram_quantiles_interpolate_inside_buckets() -> None:
@@ -106,38 +93,34 @@ def test_traffic_is_bounded_and_off_behind_an_api_key(model: GPT) -> None:
 
 def test_the_page_in_chromium_charts_live_traffic(model: GPT, monkeypatch, artifacts: Path) -> None:
     engine = slowed(small_engine(model), monkeypatch, seconds=0.005)  # busy enough to show a batch
-    with live_server(engine) as live, sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium(), args=CHROMIUM_ARGS, timeout=30_000)
-        try:
-            page = browser.new_page(viewport={"width": 1200, "height": 900})
-            page.set_default_timeout(20_000)
-            problems: list[str] = []
-            requests: list[str] = []
-            page.on("console", lambda m: problems.append(m.text) if m.type in ("error", "warning") else None)
-            page.on("pageerror", lambda err: problems.append(str(err)))
-            page.on("request", lambda r: requests.append(r.url))
+    with live_server(engine) as live, headless_chromium() as browser:
+        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        page.set_default_timeout(20_000)
+        problems: list[str] = []
+        requests: list[str] = []
+        page.on("console", lambda m: problems.append(m.text) if m.type in ("error", "warning") else None)
+        page.on("pageerror", lambda err: problems.append(str(err)))
+        page.on("request", lambda r: requests.append(r.url))
 
-            page.goto(f"{live.url}/")
-            page.wait_for_selector("#connection.live")
-            before = int(page.get_attribute("#tokens svg", "data-points"))
+        page.goto(f"{live.url}/")
+        page.wait_for_selector("#connection.live")
+        before = int(page.get_attribute("#tokens svg", "data-points"))
 
-            page.fill("input[name=request_rate]", "30")
-            page.fill("input[name=input_len]", "8")
-            page.fill("input[name=output_len]", "24")
-            page.fill("input[name=duration]", "20")
-            page.click("#start")
-            page.wait_for_function("Number(document.querySelector('#tokens .value').dataset.value) > 0")
-            page.wait_for_function("document.querySelector('#ttft .value').dataset.value !== ''")
-            page.wait_for_function(f"Number(document.querySelector('#tokens svg').dataset.points) >= {before + 3}")
-            assert page.get_attribute("#tokens svg path", "d").count("L") >= 2  # a drawn line
-            assert "running at 30 req/s" in page.text_content("#traffic-status")
-            page.screenshot(path=str(artifacts / "dashboard.png"), full_page=True)
+        page.fill("input[name=request_rate]", "30")
+        page.fill("input[name=input_len]", "8")
+        page.fill("input[name=output_len]", "24")
+        page.fill("input[name=duration]", "20")
+        page.click("#start")
+        page.wait_for_function("Number(document.querySelector('#tokens .value').dataset.value) > 0")
+        page.wait_for_function("document.querySelector('#ttft .value').dataset.value !== ''")
+        page.wait_for_function(f"Number(document.querySelector('#tokens svg').dataset.points) >= {before + 3}")
+        assert page.get_attribute("#tokens svg path", "d").count("L") >= 2  # a drawn line
+        assert "running at 30 req/s" in page.text_content("#traffic-status")
+        page.screenshot(path=str(artifacts / "dashboard.png"), full_page=True)
 
-            page.click("#stop")
-            page.wait_for_function("document.querySelector('#traffic-status').textContent.startsWith('finished')")
-            page.close()
-        finally:
-            browser.close()
+        page.click("#stop")
+        page.wait_for_function("document.querySelector('#traffic-status').textContent.startsWith('finished')")
+        page.close()
     assert problems == []
     outside = [u for u in requests if not u.startswith(live.url + "/") and not u.startswith("data:")]
     assert outside == [] and f"{live.url}/dashboard/events" in requests
