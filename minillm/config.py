@@ -50,6 +50,11 @@ PRESETS: dict[str, ModelConfig] = {
     "tinystories-50m": ModelConfig(context_length=512, d_model=512, n_layers=8, n_heads=8),
 }
 
+# Not a preset (nothing here trains it): the shape of a 7B model such as Llama-2-7B (32 layers
+# of width 4096, 32 heads, a 32,000-token vocabulary, 4,096-token context) in our GPT's blocks,
+# for the what-if arithmetic of chapters 1, 5 and 6, which ask how a real model's costs compare.
+SEVEN_B = ModelConfig(vocab_size=32000, context_length=4096, d_model=4096, n_layers=32, n_heads=32)
+
 
 def get_preset(name: str) -> ModelConfig:
     """A preset by name, or an error that lists the names there are."""
