@@ -23,6 +23,9 @@ import torch
 from minillm.config import ModelConfig
 from minillm.model import fused_attention
 
+# How the engine attends: PyTorch's gather + SDPA, or chapter 13's Triton kernels.
+ATTENTION_BACKENDS = ("torch", "triton")
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -107,13 +110,14 @@ class PrefillChunk:
 class DecodeGroup:
     """Decodes ``start .. end - 1`` of the flat batch, of similar lengths, attended together:
     ``blocks`` holds each one's block table padded to ``width`` blocks, ``mask`` hides the
-    slots past each one's length."""
+    slots past each one's length, ``lengths`` holds those lengths (new token included)."""
 
     start: int
     end: int
     width: int
     blocks: torch.Tensor
     mask: torch.Tensor
+    lengths: torch.Tensor
 
 
 class PagedAttention:
@@ -126,12 +130,23 @@ class PagedAttention:
     the group and masked past each one's length. Sorting by length before grouping keeps that
     padding, which costs a copy and a read per slot, small. Prefill chunks, a few per step,
     are done one by one with causal attention over their own prefix.
+
+    ``backend="triton"`` (chapter 13) swaps both for Triton kernels: decodes read their blocks
+    in place through the block tables, with no gather; prefills use the FlashAttention kernel.
     """
 
     def __init__(
-        self, pool: PagedKVPool, slot_mapping: torch.Tensor, decodes: list[DecodeGroup], prefills: list[PrefillChunk]
+        self,
+        pool: PagedKVPool,
+        slot_mapping: torch.Tensor,
+        decodes: list[DecodeGroup],
+        prefills: list[PrefillChunk],
+        backend: str = "torch",
     ) -> None:
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
         self.pool, self.slot_mapping, self.decodes, self.prefills = pool, slot_mapping, decodes, prefills
+        self.backend = backend
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_slots, v_slots = self.pool.slots(layer)
@@ -140,12 +155,18 @@ class PagedAttention:
         v_slots.index_copy_(0, self.slot_mapping, v[0].transpose(0, 1))
         out = torch.empty_like(q)
         for group in self.decodes:
-            out[0, :, group.start : group.end] = self._decode(layer, q[0, :, group.start : group.end], group)
+            decode = self._decode_triton if self.backend == "triton" else self._decode
+            out[0, :, group.start : group.end] = decode(layer, q[0, :, group.start : group.end], group)
         for chunk in self.prefills:
             rows = slice(chunk.offset, chunk.offset + chunk.num_tokens)
             keys = k_slots.index_select(0, chunk.slots).transpose(0, 1)[None]
             values = v_slots.index_select(0, chunk.slots).transpose(0, 1)[None]
-            out[:, :, rows] = fused_attention(q[:, :, rows], keys, values)
+            if self.backend == "triton":
+                from minillm.kernels.flash_triton import flash_attention
+
+                out[:, :, rows] = flash_attention(q[:, :, rows], keys, values, causal=True)
+            else:
+                out[:, :, rows] = fused_attention(q[:, :, rows], keys, values)
         return out
 
     def _decode(self, layer: int, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
@@ -158,3 +179,13 @@ class PagedAttention:
             q.transpose(0, 1)[:, :, None], keys, values, attn_mask=group.mask
         )
         return out[:, :, 0].transpose(0, 1)
+
+    def _decode_triton(self, layer: int, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+        """The same as :meth:`_decode`, by the paged Triton kernel: no gather, no padding."""
+        from minillm.kernels.paged_triton import paged_decode_attention
+
+        b = group.end - group.start
+        out = paged_decode_attention(
+            q.transpose(0, 1), self.pool.k[layer], self.pool.v[layer], group.blocks.view(b, group.width), group.lengths
+        )
+        return out.transpose(0, 1)
