@@ -76,11 +76,11 @@ class CausalSelfAttention(nn.Module):
         self.impl = "sdpa"
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        b, t, d = x.shape
+        b, t, _ = x.shape
         # [b, t, 3d] -> three [b, heads, t, head_dim] tensors
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         y = ATTENTION[self.impl](q, k, v) if cache is None else cache.attend(self.layer, q, k, v)
-        return self.dropout(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+        return self.dropout(self.proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)))
 
 
 class MLP(nn.Module):
@@ -166,8 +166,10 @@ class GPT(nn.Module):
         return self.ln_f(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vectors to vocabulary scores through the tied token embedding."""
-        return F.linear(hidden, self.tok_emb.weight)
+        """Vectors to vocabulary scores through the tied token embedding. A quantized embedding
+        (``minillm.quant``) holds packed integers, not a float matrix, so it does the multiply."""
+        project = getattr(self.tok_emb, "project", None)
+        return project(hidden) if project is not None else F.linear(hidden, self.tok_emb.weight)
 
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None

@@ -1,0 +1,175 @@
+"""Weight-only quantization: error bounds, int4 packing, the kernels, a quantized model, the engine."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from minillm.config import ModelConfig
+from minillm.engine import LLM, SamplingParams
+from minillm.generate import generate_kv_cache
+from minillm.model import GPT
+from minillm.quant import (
+    FUSED_MAX_ROWS,
+    QuantEmbedding,
+    QuantLinear,
+    cast_and_quantize,
+    dequantize_int4,
+    dequantize_int8,
+    fused_kernel_works,
+    kernels_used,
+    model_bytes,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    quantize_model,
+    unpack_int4,
+)
+
+
+def weights(rows: int = 48, cols: int = 128, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g)
+    w[3, 7] = 25.0  # an outlier: per-row and per-group scales must keep it from spoiling the rest
+    return w
+
+
+def test_int8_error_is_at_most_half_a_step_of_its_row() -> None:
+    w = weights()
+    q, scales = quantize_int8(w)
+    assert q.dtype == torch.int8 and scales.shape == (48,)
+    err = (dequantize_int8(q, scales) - w).abs()
+    assert (err <= scales[:, None] / 2 * (1 + 1e-5)).all()
+    assert (q.abs().amax(dim=1) == 127).all()  # each row's largest weight uses the full range
+    assert err[3].max() > 5 * err[4].max()  # the outlier's row pays for it; the others do not
+
+
+@pytest.mark.parametrize("group_size", [16, 32, 64])
+def test_int4_error_is_at_most_half_a_step_of_its_group(group_size: int) -> None:
+    w = weights()
+    packed, scales = quantize_int4(w, group_size)
+    assert packed.dtype == torch.uint8 and packed.shape == (48, 64) and scales.shape == (48, 128 // group_size)
+    err = (dequantize_int4(packed, scales, group_size) - w).abs().view(48, -1, group_size)
+    assert (err <= scales[..., None] / 2 * (1 + 1e-5)).all()
+    nibbles = unpack_int4(packed)
+    assert int(nibbles.min()) >= 1 and int(nibbles.max()) <= 15  # q + 8 with q in [-7, 7]
+
+
+def test_smaller_groups_give_smaller_error() -> None:
+    w = weights(64, 256)
+    errors = [(dequantize_int4(*quantize_int4(w, g), g) - w).pow(2).mean() for g in (16, 64, 256)]
+    assert errors[0] < errors[1] < errors[2]
+
+
+def test_int4_packing_round_trips_two_to_a_byte() -> None:
+    nibbles = torch.randint(0, 16, (5, 34), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
+    packed = pack_int4(nibbles)
+    assert packed.shape == (5, 17) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_int4(packed), nibbles)
+    assert pack_int4(torch.tensor([[3, 12]])).item() == 3 | 12 << 4  # low nibble first
+    with pytest.raises(ValueError, match="even number of columns"):
+        pack_int4(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="group_size"):
+        quantize_int4(torch.zeros(4, 96), 64)
+
+
+def kernels(scheme: str) -> list[str]:
+    """Both ways of multiplying where the fused kernel works here; dequantize everywhere."""
+    return ["fused", "dequantize"] if fused_kernel_works(scheme, "cpu") else ["dequantize"]
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quant_linear_matches_its_own_dequantized_matrix(scheme: str) -> None:
+    w, bias = weights(100, 64), torch.randn(100)  # 100 rows: not a multiple of aten's tiles
+    for kernel in kernels(scheme):
+        layer = QuantLinear.from_float(w, bias, scheme, 32, kernel=kernel)
+        dense = layer.dequantized_weight()
+        assert (dense - w).abs().max() < 2.0  # what the integers stand for is near the weights
+        rows = torch.tensor([99, 0, 3, 64, 3])
+        assert torch.equal(layer.weight_rows(rows), dense[rows])
+        half = QuantLinear.from_float(w, bias, scheme, 32, kernel=kernel).to(torch.bfloat16)
+        for n in (1, FUSED_MAX_ROWS + 5):  # the fused kernel (bf16 only), then the wide-batch path
+            x = torch.randn(2, n, 64)
+            torch.testing.assert_close(layer(x), x @ dense.T + bias, rtol=1e-4, atol=1e-4)
+            expected = x.bfloat16().float() @ half.dequantized_weight().float().T + half.bias.float()
+            torch.testing.assert_close(half(x.bfloat16()).float(), expected, rtol=0.02, atol=0.15)
+    if len(kernels(scheme)) == 2:  # aten's layout and ours must hold the same numbers
+        fused, plain = (QuantLinear.from_float(w, bias, scheme, 32, kernel=k) for k in ("fused", "dequantize"))
+        assert torch.equal(fused.dequantized_weight(), plain.dequantized_weight())
+
+
+VOCAB = 1024  # small, so a test decodes in milliseconds (the token ids are still GPT-2's)
+
+
+def tiny_model() -> GPT:
+    """Small blocks near the identity and a large tied embedding: confident logits, like a trained
+    model's, so greedy decoding has no near-ties for quantization noise to flip at random."""
+    torch.manual_seed(0)
+    m = GPT(ModelConfig(vocab_size=VOCAB, context_length=96, d_model=64, n_layers=2, n_heads=4)).eval()
+    with torch.no_grad():
+        m.tok_emb.weight.mul_(10)
+    return m
+
+
+def prompts(n: int = 8) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(VOCAB, (int(k),), generator=g).tolist() for k in torch.randint(3, 30, (n,), generator=g)]
+
+
+# Relative logit error ||q - fp32|| / ||fp32|| we promise, and the greedy agreement, per scheme.
+TOLERANCE = {"int8": (0.02, 0.95), "int4": (0.25, 0.80)}
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_quantized_model_stays_near_fp32(scheme: str) -> None:
+    model = tiny_model()
+    quantized = cast_and_quantize(copy.deepcopy(model), None, scheme)  # as served: bf16 activations
+    assert isinstance(quantized.tok_emb, QuantEmbedding) and set(kernels_used(quantized)) <= {
+        "aten._weight_int8pack_mm", "aten._weight_int4pack_mm_for_cpu", "dequantize on the fly + matmul"}
+    assert sum(kernels_used(quantized).values()) == 2 * 4 + 1  # every block's four, and the tied matrix once
+    ratio = model_bytes(quantized) / model_bytes(model)
+    assert ratio < (0.30 if scheme == "int8" else 0.20)
+    tokens = torch.tensor([p[:3] for p in prompts()])
+    with torch.no_grad():
+        ref, out = model(tokens), quantized(tokens).float()
+    max_rel, min_agree = TOLERANCE[scheme]
+    assert (out - ref).norm() / ref.norm() < max_rel
+    expected = [generate_kv_cache(model, p, 12) for p in prompts()]
+    got = [generate_kv_cache(quantized, p, 12) for p in prompts()]
+    agree = sum(a == b for x, y in zip(got, expected) for a, b in zip(x, y)) / sum(map(len, expected))
+    assert agree >= min_agree
+
+
+def test_a_quantized_model_is_exactly_its_dequantized_twin() -> None:
+    """The quantized GPT computes what a float GPT holding the dequantized weights computes."""
+    quantized = quantize_model(tiny_model(), "int4")
+    twin = tiny_model()
+    with torch.no_grad():
+        for name, module in quantized.named_modules():
+            if isinstance(module, QuantLinear):
+                target = twin.tok_emb if name == "tok_emb.table" else twin.get_submodule(name)
+                target.weight.copy_(module.dequantized_weight())
+        tokens = torch.tensor([prompts()[0][:3]])
+        torch.testing.assert_close(quantized(tokens), twin(tokens), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_the_engine_runs_a_quantized_model_like_the_simple_loop(scheme: str) -> None:
+    """In fp32, where both take the same path, exactly the same tokens."""
+    model = tiny_model()
+    llm = LLM(copy.deepcopy(model), quantize=scheme, dtype="float32", num_blocks=32, block_size=8)
+    outs = llm.generate(prompts(4), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    alone = cast_and_quantize(copy.deepcopy(model), torch.float32, scheme)
+    assert [o.token_ids for o in outs] == [generate_kv_cache(alone, p, 8) for p in prompts(4)]
+    assert llm.engine.stats().kv_blocks_used == 0
+    served = LLM(copy.deepcopy(model), quantize=scheme, num_blocks=8).engine.model
+    assert served.tok_emb.weight.dtype == torch.bfloat16 and isinstance(served.blocks[0].mlp.fc, QuantLinear)
+
+
+def test_a_bad_scheme_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="quantize must be one of int8, int4, got 'int3'"):
+        LLM(tiny_model(), quantize="int3")
+    with pytest.raises(ValueError, match="quantize does not combine with tensor_parallel_size"):
+        LLM(tiny_model(), quantize="int8", tensor_parallel_size=2)
