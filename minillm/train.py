@@ -39,6 +39,7 @@ from minillm.tokenizer import get_tokenizer
 PRESET_TRAINING: dict[str, dict] = {
     "tiny": dict(batch_size=8, max_steps=60, lr=2e-3, warmup=10, eval_every=30),
     "cpu": dict(batch_size=8, max_steps=600, lr=3e-3, warmup=30, eval_every=100),
+    "draft": dict(batch_size=8, max_steps=300, lr=5e-3, warmup=20, eval_every=100),
     "tinystories-50m": dict(batch_size=32, grad_accum=4, max_steps=20_000, lr=6e-4, warmup=500, eval_every=1000),
 }
 QUICK_MAX_STEPS = 30

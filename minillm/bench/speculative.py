@@ -1,0 +1,292 @@
+"""Speculative decoding measured: acceptance and speedup against ``k``, two drafters, two kinds of text.
+
+For each kind of text (openings of held-out stories, and out-of-domain openings: business,
+code, history, science, none of it like the children's stories the models learned) and each drafter (the ``draft`` model and n-gram prompt lookup), greedy generation
+runs with ``k = 1 .. 8`` draft tokens and without speculation, interleaved round by round so
+that a busy neighbour slows every variant alike; speedups are ratios of medians. Greedy
+output with speculation must equal the output without it, and the report says whether it did.
+
+The per-step costs explain the speedups: a target step over one token, over ``k + 1`` tokens
+(verification), and a draft step. With acceptance rate ``alpha`` and cost ratio ``c`` (a draft
+step over a target step), Leviathan et al. (2023) expect a speedup of
+``(1 - alpha^(k+1)) / ((1 - alpha) * (k * c + 1))`` when verification costs one target step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from minillm.data import prepare_corpus
+from minillm.drafters import ModelDrafter, NgramDrafter
+from minillm.generate import ContiguousKVCache, generate_kv_cache
+from minillm.hardware import device_name, median_seconds
+from minillm.model import GPT
+from minillm.speculative import SpeculativeStats, generate_speculative
+from minillm.tokenizer import get_tokenizer
+
+KS = list(range(1, 9))
+
+
+def story_prompts(n: int, length: int) -> list[list[int]]:
+    """``<|endoftext|>`` and the first ``length`` tokens of ``n`` held-out stories."""
+    eot = get_tokenizer().eot
+    val = np.asarray(prepare_corpus("auto", verbose=False).tokens("validation"))
+    starts = np.flatnonzero(val == eot)[:n]
+    return [val[s : s + 1 + length].tolist() for s in starts]
+
+
+OUT_OF_DOMAIN = (
+    "The quarterly report shows that revenue from cloud services grew by twelve percent, driven by strong "
+    "demand from retailers and banks, while hardware sales fell for the third quarter in a row.",
+    "def parse_args(argv):\n    parser = argparse.ArgumentParser(description='Train a model')\n    "
+    "parser.add_argument('--steps', type=int, default=100)\n    return parser.parse_args(argv)",
+    "In 1848 revolutions swept across Europe as liberal and nationalist movements challenged the old "
+    "monarchies, and within two years most of them had been put down by force.",
+    "Photosynthesis converts light energy into chemical energy stored in glucose, releasing oxygen as a "
+    "by-product; the reactions take place in the chloroplasts of plant cells.",
+    "To reset the router, hold the button on the back panel for ten seconds until the status light blinks "
+    "amber, then wait two minutes before reconnecting your devices.",
+    "The court held that the contract was void because one of the parties lacked the capacity to consent, "
+    "and ordered that the deposit be returned with interest.",
+)
+
+
+def out_of_domain_prompts(n: int, length: int) -> list[list[int]]:
+    """``<|endoftext|>`` and the first ``length`` tokens of ``n`` texts unlike any story in the
+    corpus: the models have to continue text they cannot predict well."""
+    if n > len(OUT_OF_DOMAIN):
+        raise ValueError(f"there are {len(OUT_OF_DOMAIN)} out-of-domain openings, not {n}")
+    tok = get_tokenizer()
+    return [[tok.eot, *tok.encode(text)[:length]] for text in OUT_OF_DOMAIN[:n]]
+
+
+def expected_speedup(alpha: float, k: int, c: float) -> float:
+    """Leviathan et al.'s expected speedup: tokens per round over the round's cost in target
+    steps, assuming each draft token is accepted independently with probability ``alpha``."""
+    tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * c + 1)
+
+
+def predicted_speedup(row: dict, costs: dict, drafter_step_s: float) -> float:
+    """The speedup the measured parts predict for one benchmark row: the tokens a target pass
+    yields, times a plain step's time, over what a pass really costs (the drafter's steps plus
+    a verification over that many tokens, read off the measured verification times). Unlike
+    :func:`expected_speedup` it charges verification what it costs on this machine."""
+    verify_s = {int(k): t for k, t in costs["verify_s"].items()}  # (JSON makes the keys strings)
+    ks = sorted(verify_s)
+    verify = np.interp(row["drafted_per_pass"], [0, *ks], [costs["target_step_s"], *(verify_s[k] for k in ks)])
+    pass_cost = row["drafted_per_pass"] * drafter_step_s + float(verify)
+    return row["tokens_per_pass"] * costs["target_step_s"] / pass_cost
+
+
+@torch.no_grad()
+def step_costs(target: GPT, draft: GPT, ks: list[int], context: int = 64, repeats: int = 20) -> dict:
+    """Median seconds of one target step over 1 and over ``k + 1`` tokens, and of one draft
+    step, each after ``context`` cached positions (rolled back after every run). Every variant
+    runs once per round, so a busy neighbour slows them alike."""
+    device = target.tok_emb.weight.device
+
+    def stepper(model: GPT, n: int) -> Callable[[], None]:
+        cache = ContiguousKVCache(model, 1, context + n)
+        model(torch.randint(model.cfg.vocab_size, (1, context), device=device), cache=cache)
+        tokens = torch.randint(model.cfg.vocab_size, (1, n), device=device)
+        positions = torch.arange(context, context + n, device=device)[None]
+
+        def step() -> None:
+            model(tokens, positions, cache)
+            cache.length = context
+
+        return step
+
+    variants = {"target": stepper(target, 1), "draft": stepper(draft, 1), **{k: stepper(target, k + 1) for k in ks}}
+    median = _interleaved_medians(variants, device, repeats)
+    return {"context": context, "target_step_s": median["target"], "draft_step_s": median["draft"],
+            "verify_s": {k: median[k] for k in ks}}
+
+
+@torch.no_grad()
+def batched_verify_cost(target: GPT, batch_sizes: list[int], k: int, context: int = 64, repeats: int = 10) -> list[dict]:
+    """For each batch size ``B``: the median seconds of a decode step over ``B`` sequences with
+    one new token each, and with ``k + 1`` (a speculative verification for every sequence).
+    The ratio is what verification costs in plain steps: near 1 while the step is memory-bound,
+    heading for ``k + 1`` once ``B * (k + 1)`` tokens make it compute-bound (chapter 1)."""
+    device = target.tok_emb.weight.device
+    rows = []
+    for b in batch_sizes:
+        cache = ContiguousKVCache(target, b, context + k + 1)
+        target(torch.randint(target.cfg.vocab_size, (b, context), device=device), cache=cache)
+
+        def step(n: int) -> Callable[[], None]:
+            tokens = torch.randint(target.cfg.vocab_size, (b, n), device=device)
+            positions = torch.arange(context, context + n, device=device).expand(b, n)
+
+            def run() -> None:
+                target(tokens, positions, cache)
+                cache.length = context
+
+            return run
+
+        times = _interleaved_medians({"one": step(1), "verify": step(k + 1)}, device, repeats)
+        one, verify = times["one"], times["verify"]
+        rows.append({"batch": b, "step_s": one, "verify_s": verify, "ratio": verify / one})
+    return rows
+
+
+def _interleaved_medians(variants: dict, device: torch.device, repeats: int) -> dict:
+    """Each variant's median seconds over ``repeats`` rounds, every variant timed once a round
+    (after one untimed warm-up each), so a busy neighbour slows them alike."""
+    times: dict = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            times[name].append(median_seconds(fn, device, repeats=1, warmup=1 if not times[name] else 0))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def measure(
+    target: GPT, draft: GPT, workloads: dict[str, list[list[int]]], *, ks: list[int] = KS,
+    max_new: int = 64, rounds: int = 3, progress: bool = True,
+) -> dict:
+    """Acceptance rate, tokens per target pass and speedup for every (text, drafter, k).
+
+    Each round runs every variant (the plain target first, then each drafter and ``k``) on one
+    prompt before moving to the next prompt, so variants that are compared ran seconds apart.
+    A variant's time is the sum over prompts of its median over rounds.
+    """
+    drafters = {"draft model": lambda: ModelDrafter(draft), "n-gram lookup": lambda: NgramDrafter(3)}
+    variants: dict = {None: lambda p: (generate_kv_cache(target, p, max_new), None)}
+    for name, make in drafters.items():
+        for k in ks:
+            variants[name, k] = lambda p, make=make, k=k: _speculate(target, make(), p, max_new, k)
+    results = []
+    for text, prompts in workloads.items():
+        times = {v: [[] for _ in prompts] for v in variants}
+        outputs: dict = {v: [None] * len(prompts) for v in variants}
+        stats = {v: SpeculativeStats() for v in variants if v is not None}
+        for round_ in range(rounds):
+            for i, prompt in enumerate(prompts):
+                for v, fn in variants.items():
+                    start = time.perf_counter()
+                    tokens, run_stats = fn(prompt)
+                    times[v][i].append(time.perf_counter() - start)
+                    outputs[v][i] = tokens
+                    if round_ == 0 and run_stats is not None:
+                        stats[v].merge(run_stats)
+        seconds = {v: sum(statistics.median(t) for t in per_prompt) for v, per_prompt in times.items()}
+        for (name, k), s in stats.items():
+            results.append({"text": text, "drafter": name, "k": k, "acceptance_rate": s.acceptance_rate,
+                            "tokens_per_pass": s.tokens_per_pass, "drafted_per_pass": s.drafted / s.target_passes,
+                            "seconds": seconds[name, k], "plain_seconds": seconds[None],
+                            "speedup": seconds[None] / seconds[name, k],
+                            "identical": outputs[name, k] == outputs[None]})
+            if progress:
+                r = results[-1]
+                print(f"  {text:<13} {name:<14} k={k}  accept {r['acceptance_rate']:.2f}  "
+                      f"{r['tokens_per_pass']:.2f} tok/pass  speedup {r['speedup']:.2f}x", flush=True)
+    return {"results": results}
+
+
+def _speculate(target: GPT, drafter, prompt: list[int], max_new: int, k: int) -> tuple[list[int], SpeculativeStats]:
+    out = generate_speculative(target, drafter, prompt, max_new, num_speculative_tokens=k)
+    return out.tokens, out.stats
+
+
+def run(target: GPT, draft: GPT, *, num_prompts: int, prompt_len: int, max_new: int, rounds: int,
+        ks: list[int] = KS, progress: bool = True) -> dict:
+    """The whole benchmark: step costs, then :func:`measure` on stories and out-of-domain text."""
+    workloads = {"stories": story_prompts(num_prompts, prompt_len),
+                 "out-of-domain": out_of_domain_prompts(num_prompts, prompt_len)}
+    device = target.tok_emb.weight.device
+    report = {"device": device_name(device), "threads": torch.get_num_threads(), "num_prompts": num_prompts,
+              "prompt_len": prompt_len, "max_new_tokens": max_new, "rounds": rounds, "ks": ks,
+              "target_params": sum(p.numel() for p in target.parameters()),
+              "draft_params": sum(p.numel() for p in draft.parameters())}
+    report["costs"] = step_costs(target, draft, ks, repeats=50)
+    report |= measure(target, draft, workloads, ks=ks, max_new=max_new, rounds=rounds, progress=progress)
+    c = report["costs"]["draft_step_s"] / report["costs"]["target_step_s"]
+    report["cost_ratio"] = c
+    for r in report["results"]:
+        model_drafter = r["drafter"] == "draft model"
+        r["expected_speedup"] = expected_speedup(r["acceptance_rate"], r["k"], c if model_drafter else 0.0)
+        r["predicted_speedup"] = predicted_speedup(r, report["costs"], report["costs"]["draft_step_s"] if model_drafter else 0.0)
+    return report
+
+
+def plot(report: dict, path) -> None:
+    """Speedup and acceptance against k: one line per (drafter, text)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = figure(report, plt)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def figure(report: dict, plt):
+    """The benchmark's figure (also shown inline by chapter 12)."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    styles = {"stories": "-", "out-of-domain": "--"}
+    colors = {"draft model": "C0", "n-gram lookup": "C1"}
+    for text in styles:
+        for drafter in colors:
+            rows = [r for r in report["results"] if r["text"] == text and r["drafter"] == drafter]
+            ks = [r["k"] for r in rows]
+            label = f"{drafter}, {text}"
+            left.plot(ks, [r["speedup"] for r in rows], styles[text], color=colors[drafter], marker="o", label=label)
+            right.plot(ks, [r["acceptance_rate"] for r in rows], styles[text], color=colors[drafter], marker="o", label=label)
+    left.axhline(1.0, color="gray", lw=0.8)
+    left.set(xlabel="draft tokens per step k", ylabel="speedup vs target alone", title="speedup (greedy, batch 1)")
+    right.set(xlabel="draft tokens per step k", ylabel="acceptance rate", title="accepted / drafted", ylim=(0, 1.05))
+    right.legend(fontsize=8)
+    fig.suptitle(report["device"], fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def add_arguments(p) -> None:
+    """``python -m minillm.bench speculative``'s options."""
+    p.add_argument("--num-prompts", type=int, default=4, help=f"openings per kind of text (at most {len(OUT_OF_DOMAIN)})")
+    p.add_argument("--prompt-len", type=int, default=32, help="tokens of each opening")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds; speedups are ratios of medians")
+    p.add_argument("--max-k", type=int, default=8, help="measure k = 1 .. MAX_K draft tokens")
+    p.add_argument("--threads", type=int, default=None, help="PyTorch CPU threads (default: PyTorch's choice)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
+
+
+def run_from_args(args, out) -> dict:
+    """Load (or train) the ``cpu`` target and the ``draft`` model, measure, save JSON and a plot."""
+    import json
+
+    from minillm.checkpoint import load_or_train
+    from minillm.cli import UsageError
+    from minillm.settings import quick
+
+    if min(args.num_prompts, args.prompt_len, args.max_new_tokens, args.rounds, args.max_k) < 1:
+        raise UsageError("--num-prompts, --prompt-len, --max-new-tokens, --rounds and --max-k must be at least 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError("--threads must be at least 1")
+        torch.set_num_threads(args.threads)
+    if args.num_prompts > len(OUT_OF_DOMAIN):
+        raise UsageError(f"--num-prompts can be at most {len(OUT_OF_DOMAIN)} (the out-of-domain openings there are)")
+    if quick():
+        args.num_prompts, args.max_new_tokens, args.rounds, args.max_k = 2, 12, 1, 3
+    target, draft = load_or_train("cpu", args.device), load_or_train("draft", args.device)
+    if 1 + args.prompt_len + args.max_new_tokens > target.cfg.context_length:
+        raise UsageError(f"--prompt-len + --max-new-tokens must fit the context of {target.cfg.context_length} tokens")
+    report = run(target, draft, num_prompts=args.num_prompts, prompt_len=args.prompt_len,
+                 max_new=args.max_new_tokens, rounds=args.rounds, ks=list(range(1, args.max_k + 1)))
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "speculative-cpu.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, out / "speculative-cpu.png")
+    print(f"\nsaved {path}")
+    return report

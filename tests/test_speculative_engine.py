@@ -1,0 +1,118 @@
+"""Speculative decoding through the engine, ``LLM.generate`` and the server.
+
+Speculation runs on steps that decode a single request; greedy output must be the same as
+without it, whether one prompt runs (speculative steps) or several (ordinary batched steps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from minillm.cli import UsageError
+from minillm.config import ModelConfig
+from minillm.engine.llm import LLM
+from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine.speculator import Speculator, build_speculator
+from minillm.model import GPT
+from minillm.sampling import SamplingParams
+from minillm.tokenizer import get_tokenizer
+from server.__main__ import load_speculator
+from server.app import create_app
+from server.config import ServerConfig, parse_args
+from test_speculative import peaky
+
+CFG = ModelConfig(context_length=96, d_model=32, n_layers=2, n_heads=4)
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1, 2, 3], list(range(100, 140))]
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target() -> GPT:
+    return peaky(CFG, 0)
+
+
+@pytest.fixture(scope="module")
+def draft() -> GPT:
+    return peaky(CFG, 1)
+
+
+@pytest.fixture(scope="module")
+def reference(target) -> list[list[int]]:
+    return [out.token_ids for out in LLM(target, num_blocks=64, block_size=8).generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("kind", ["draft", "target as draft", "ngram"])
+def test_greedy_through_the_engine_equals_no_speculation(target, draft, reference, kind) -> None:
+    drafter = {"draft": draft, "target as draft": target, "ngram": "ngram"}[kind]
+    llm = LLM(target, num_blocks=64, block_size=8, speculative_draft=drafter, num_speculative_tokens=4)
+    one_at_a_time = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in PROMPTS]
+    spec = llm.engine.speculator
+    assert one_at_a_time == reference
+    assert spec.stats.drafted > 0  # speculation did run
+    if kind != "draft":  # (two random models never agree; the others save target passes)
+        assert spec.stats.target_passes < spec.stats.generated
+    passes = spec.stats.target_passes
+    batched = [out.token_ids for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert batched == reference
+    assert spec.stats.target_passes - passes < 40  # only the tail, once one request is left, speculates
+    assert llm.engine.allocator.num_used_blocks == 0  # the drafts' extra blocks went back too
+    if kind == "target as draft":
+        assert spec.stats.acceptance_rate == 1.0
+
+
+def test_a_seeded_sampled_request_is_reproducible_and_well_formed(target, draft) -> None:
+    llm = LLM(target, num_blocks=64, block_size=8, speculative_draft=draft, num_speculative_tokens=3)
+    params = SamplingParams(max_tokens=30, temperature=0.9, top_k=50, seed=7, ignore_eos=True)
+    first, second = (llm.generate([PROMPTS[0]], params, use_tqdm=False)[0] for _ in range(2))
+    assert first.token_ids == second.token_ids
+    assert len(first.token_ids) == 30 and first.finish_reason == "length"
+    assert all(0 <= t < CFG.vocab_size for t in first.token_ids)
+    assert llm.engine.speculator.stats.drafted > 0
+
+
+def test_stop_strings_and_max_tokens_cut_inside_an_accepted_run(target, reference) -> None:
+    llm = LLM(target, num_blocks=64, block_size=8, speculative_draft=target, num_speculative_tokens=8)
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=13, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert out.token_ids == reference[0][:13] and out.finish_reason == "length"
+    tok = get_tokenizer()
+    stop = tok.decode(reference[0][5:7])
+    text = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop]),
+                        use_tqdm=False)[0]
+    assert text.finish_reason == "stop" and stop not in text.text
+
+
+def test_a_draft_with_another_vocabulary_is_refused(target) -> None:
+    other = GPT(ModelConfig(context_length=96, d_model=32, n_layers=1, n_heads=4, vocab_size=1000))
+    with pytest.raises(ValueError, match="vocabulary"):
+        Speculator.with_draft_model(other, target, 4)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        build_speculator("ngram", target, 0)
+
+
+def test_server_flags(tmp_path, target) -> None:
+    config = parse_args(["--speculative-draft", "ngram", "--num-speculative-tokens", "6"], environ={})
+    assert load_speculator(config, target).k == 6
+    with pytest.raises(UsageError, match="num_speculative_tokens"):
+        parse_args(["--speculative-draft", "ngram", "--num-speculative-tokens", "0"], environ={})
+    with pytest.raises(UsageError, match="--speculative-draft: no checkpoint"):
+        load_speculator(parse_args(["--speculative-draft", str(tmp_path / "missing")], environ={}), target)
+    assert load_speculator(parse_args([], environ={}), target) is None
+
+
+def test_the_server_streams_the_same_greedy_text_with_speculation(target, draft) -> None:
+    async def complete(speculator: Speculator | None) -> str:
+        engine = LLMEngine(target, EngineConfig(num_blocks=64, block_size=8), get_tokenizer(), speculator)
+        async with TestClient(TestServer(create_app(engine, ServerConfig()))) as client:
+            body = {"prompt": "Once upon a time", "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+            response = await client.post("/v1/completions", json=body)
+            assert response.status == 200
+            return (await response.json())["choices"][0]["text"]
+
+    async def both() -> tuple[str, str]:
+        return await complete(None), await complete(Speculator.with_draft_model(draft, target, 4))
+
+    plain, speculative = asyncio.run(asyncio.wait_for(both(), 60))
+    assert speculative == plain and plain
