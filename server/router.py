@@ -1,0 +1,377 @@
+"""``python -m server.router``: one OpenAI-compatible address in front of several replicas.
+
+A request goes: read the body -> the policy (:mod:`server.routing`) picks a healthy replica
+(:mod:`server.replicas`) -> forward it -> relay the answer. Streams are relayed event by
+event as they arrive, never buffered, so the client's time to first token is the replica's
+plus one hop.
+
+What can go wrong, and what the client sees:
+
+- **Before the first token** (the replica refuses the connection, answers 429 or 5xx, or
+  its stream ends before any event): nothing has reached the client, so the router tries
+  another replica, up to ``--max-attempts`` in all; if none is left, a 502 or 503 in OpenAI's
+  error shape (or the last replica's own refusal, such as its 429).
+- **Mid-stream** (the replica dies after the first event): the tokens already sent cannot be
+  taken back, so the stream ends with an OpenAI-style ``{"error": ...}`` event and
+  ``data: [DONE]``: a client library raises it, and a user never mistakes a truncated answer
+  for a finished one.
+- **The client leaves**: aiohttp cancels the handler (``handler_cancellation=True``), which
+  closes the upstream connection, and the replica, seeing its own client gone, aborts the
+  request and frees its KV blocks (chapter 9).
+
+The router keeps its own ``/health`` (200 while any replica is healthy) and ``/metrics``
+(``minillm_router:`` counters, and each replica's health and scraped load). Every answer
+names the replica that gave it in an ``X-Replica`` header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator, Sequence
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from minillm.cli import UsageError, run
+from server.launch import ServerProcess, start_server
+from server.metrics import CONTENT_TYPE
+from server.protocol import OpenAIError, sse
+from server.replicas import Replica, ReplicaSet
+from server.router_config import RouterConfig, parse_router_args
+from server.routing import Policy, affinity_key, make_policy
+
+log = logging.getLogger("server.router")
+
+RETRY_STATUSES = {429, 500, 502, 503, 504}  # a replica's refusal that another replica may not give
+FORWARDED_HEADERS = ("Content-Type", "Authorization", "Accept", "X-Request-Id")
+CLIENT_GONE = 499
+DONE = sse("[DONE]")
+
+
+@dataclass
+class RouterState:
+    """What every handler needs, kept on the application."""
+
+    replicas: ReplicaSet
+    policy: Policy
+    config: RouterConfig
+    session: aiohttp.ClientSession | None = None
+    statuses: Counter = field(default_factory=Counter)  # final status of each proxied request
+    retries: int = 0  # attempts after a request's first
+    midstream_failures: int = 0
+    checker: asyncio.Task | None = None
+
+
+ROUTER = web.AppKey("router", RouterState)
+
+
+def create_router(urls: Sequence[str], config: RouterConfig) -> web.Application:
+    """The router app over the replicas at ``urls``."""
+    state = RouterState(ReplicaSet(urls, config.eject_after, config.readmit_after), make_policy(config.policy), config)
+    app = web.Application(client_max_size=16 << 20, middlewares=[openai_errors])
+    app[ROUTER] = state
+    app.router.add_post("/v1/completions", proxy)
+    app.router.add_post("/v1/chat/completions", proxy)
+    app.router.add_get("/v1/models", proxy)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.on_startup.append(_start)
+    app.on_cleanup.append(_stop)
+    return app
+
+
+async def _start(app: web.Application) -> None:
+    """Open the upstream session, check every replica once, then keep checking."""
+    state = app[ROUTER]
+    state.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    await state.replicas.check_all(state.session, timeout=max(state.config.health_interval, 1.0))
+    state.checker = asyncio.create_task(state.replicas.keep_checking(state.session, state.config.health_interval))
+
+
+async def _stop(app: web.Application) -> None:
+    state = app[ROUTER]
+    if state.checker is not None:
+        state.checker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await state.checker
+    if state.session is not None:
+        await state.session.close()
+
+
+# ----------------------------------------------------------------------------- proxying
+
+
+class AttemptFailed(Exception):
+    """One replica could not answer this request; another may. ``response`` is what the client
+    gets if no other replica can: the replica's own refusal, or the router's 502."""
+
+    def __init__(self, response: web.Response) -> None:
+        super().__init__(response.status)
+        self.response = response
+
+
+def openai_error(status: int, message: str, code: str | None = None) -> web.Response:
+    err = OpenAIError(status, message, "server_error" if status >= 500 else "invalid_request_error", None, code)
+    return web.json_response(err.body(), status=status)
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
+    """The router's own refusals (unknown path, wrong method, body too large) in OpenAI's shape,
+    as the server's are; never a traceback."""
+    try:
+        return await handler(request)
+    except web.HTTPException as err:
+        if err.status < 400:
+            raise
+        return openai_error(err.status, err.text or err.reason)
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return openai_error(500, "internal router error")
+
+
+async def proxy(request: web.Request) -> web.StreamResponse:
+    """Forward to replicas chosen by the policy until one answers, at most ``max_attempts``."""
+    state = request.app[ROUTER]
+    body = await request.read()
+    key = affinity_key(_json_or_none(body))
+    headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
+    tried: list[Replica] = []
+    last = openai_error(503, "no healthy replica to send the request to", "no_healthy_replica")
+    try:
+        for attempt in range(state.config.max_attempts):
+            candidates = [r for r in state.replicas.healthy() if r not in tried]
+            if not candidates:
+                break
+            replica = state.policy.choose(candidates, key)
+            tried.append(replica)
+            if attempt:
+                state.retries += 1
+            try:
+                response = await _forward(request, state, replica, body, headers)
+            except AttemptFailed as failed:
+                last = failed.response
+                continue
+            state.statuses[response.status] += 1
+            return response
+    except asyncio.CancelledError:
+        state.statuses[CLIENT_GONE] += 1
+        raise
+    state.statuses[last.status] += 1
+    return last
+
+
+def _json_or_none(body: bytes) -> object:
+    try:
+        return json.loads(body)
+    except ValueError:  # the replica will answer the 400
+        return None
+
+
+async def _forward(request: web.Request, state: RouterState, replica: Replica, body: bytes,
+                   headers: dict[str, str]) -> web.StreamResponse:
+    """One attempt on one replica. Raises :class:`AttemptFailed` when nothing has reached the
+    client yet and another replica may do better."""
+    replica.outstanding += 1
+    replica.requests += 1
+    upstream: aiohttp.ClientResponse | None = None
+    reusable = False  # only a connection whose answer was read to the end goes back to the pool
+    try:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=state.config.connect_timeout)
+        upstream = await state.session.request(request.method, replica.url + request.path, data=body or None,
+                                               headers=headers, timeout=timeout)
+        if upstream.status in RETRY_STATUSES:
+            replica.errors += 1
+            if upstream.status == 503:  # the replica says it is unavailable (our server: shutting down)
+                state.replicas.report_failure(replica, "it answered 503")
+            refusal = web.Response(body=await upstream.read(), status=upstream.status,
+                                   content_type=upstream.content_type, headers=_retry_after(upstream))
+            raise AttemptFailed(refusal)
+        if upstream.status == 200 and upstream.content_type == "text/event-stream":
+            first = await upstream.content.readuntil(b"\n\n")
+            if not first.endswith(b"\n\n"):
+                raise aiohttp.ClientPayloadError("the stream ended before its first event")
+            return await _relay(request, state, replica, upstream, first)
+        response = web.Response(body=await upstream.read(), status=upstream.status, content_type=upstream.content_type,
+                                headers={"X-Replica": replica.url})
+        reusable = True
+        return response
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as err:
+        state.replicas.report_failure(replica, f"{type(err).__name__}: {err}")
+        raise AttemptFailed(openai_error(502, f"replica {replica.url} failed: {type(err).__name__}",
+                                         "replica_failed")) from None
+    finally:
+        replica.outstanding -= 1
+        if upstream is not None:  # closing a half-read answer is how the replica sees its client go
+            upstream.release() if reusable else upstream.close()
+
+
+def _retry_after(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+    return {"Retry-After": upstream.headers["Retry-After"]} if "Retry-After" in upstream.headers else {}
+
+
+async def _relay(request: web.Request, state: RouterState, replica: Replica, upstream: aiohttp.ClientResponse,
+                 first: bytes) -> web.StreamResponse:
+    """Send the first event on, then every following event as it arrives. A stream that breaks,
+    or ends without ``data: [DONE]``, gets an error event instead of a silent end."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Replica": replica.url})
+    if "X-Request-Id" in upstream.headers:
+        response.headers["X-Request-Id"] = upstream.headers["X-Request-Id"]
+    await response.prepare(request)
+    event = first
+    try:
+        with contextlib.suppress(aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError):
+            while event.endswith(b"\n\n"):
+                await response.write(event)
+                if event == DONE:
+                    break
+                event = await upstream.content.readuntil(b"\n\n")
+        if event != DONE:
+            state.midstream_failures += 1
+            state.replicas.report_failure(replica, "its stream broke after the first event")
+            error = OpenAIError(502, f"replica {replica.url} failed mid-stream; the answer is incomplete",
+                                "server_error", None, "replica_failed")
+            await response.write(sse(error.body()) + DONE)
+        await response.write_eof()
+    except ConnectionResetError:  # the client left between two writes
+        state.statuses[CLIENT_GONE] += 1
+    return response
+
+
+# ----------------------------------------------------------------------------- the router's own routes
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 while at least one replica is healthy, with each replica's state."""
+    replicas = request.app[ROUTER].replicas.replicas
+    ok = any(r.healthy for r in replicas)
+    return web.json_response({"status": "ok" if ok else "unavailable",
+                              "replicas": {r.url: "healthy" if r.healthy else "ejected" for r in replicas}},
+                             status=200 if ok else 503)
+
+
+class RouterCollector:
+    """The router's numbers as Prometheus metrics, read from its state at scrape time."""
+
+    PREFIX = "minillm_router:"
+
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator:
+        p, s = self.PREFIX, self.state
+        requests = CounterMetricFamily(p + "requests", "Proxied requests by the status the client got.",
+                                       labels=["status"])
+        for status, n in sorted(s.statuses.items()):
+            requests.add_metric([str(status)], n)
+        yield requests
+        yield CounterMetricFamily(p + "retries", "Attempts on another replica before the first token.", s.retries)
+        yield CounterMetricFamily(p + "midstream_failures", "Streams cut by a replica after their first event.",
+                                  s.midstream_failures)
+        per_replica = [
+            (GaugeMetricFamily, "replica_healthy", "1 if the replica takes traffic, 0 if ejected.",
+             lambda r: float(r.healthy)),
+            (GaugeMetricFamily, "replica_outstanding", "Requests sent to it and not finished.", lambda r: r.outstanding),
+            (GaugeMetricFamily, "replica_waiting", "Its waiting requests, as last scraped.", lambda r: r.waiting),
+            (GaugeMetricFamily, "replica_kv_cache_usage_perc", "Its KV-cache usage, 0..1, as last scraped.",
+             lambda r: r.kv_usage),
+            (GaugeMetricFamily, "replica_prefix_cache_hit_rate", "Its prefix-cache hit rate, as last scraped.",
+             lambda r: r.prefix_hit_rate),
+            (CounterMetricFamily, "replica_requests", "Attempts sent to it.", lambda r: r.requests),
+            (CounterMetricFamily, "replica_errors", "Attempts it failed before answering.", lambda r: r.errors),
+            (CounterMetricFamily, "replica_ejections", "Times it was taken out of rotation.", lambda r: r.ejections),
+        ]
+        for kind, name, text, read in per_replica:
+            family = kind(p + name, text, labels=["replica"])
+            for r in s.replicas.replicas:
+                family.add_metric([r.url], read(r))
+            yield family
+
+
+async def metrics(request: web.Request) -> web.Response:
+    registry = CollectorRegistry()
+    registry.register(RouterCollector(request.app[ROUTER]))
+    return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE})
+
+
+# ----------------------------------------------------------------------------- running it
+
+
+def spawn_replicas(config: RouterConfig) -> list[ServerProcess]:
+    """Start ``config.spawn`` servers at once, each on a free port; stop them all if one fails."""
+    from minillm.checkpoint import preset_dir, resolve
+
+    try:
+        checkpoint = resolve(config.checkpoint or preset_dir("cpu"))
+    except FileNotFoundError as err:
+        raise UsageError(f"--checkpoint: {err} (train one with `make serve` first, or name one)") from None
+    with ThreadPoolExecutor(config.spawn) as pool:
+        futures = [pool.submit(start_server, checkpoint, *config.replica_flags()) for _ in range(config.spawn)]
+    started, problems = [], []
+    for future in futures:
+        try:
+            started.append(future.result())
+        except RuntimeError as err:
+            problems.append(str(err))
+    if problems:
+        for server in started:
+            server.stop()
+        raise UsageError(f"--spawn: a replica did not start: {problems[0]}")
+    return started
+
+
+@contextlib.asynccontextmanager
+async def running(app: web.Application, host: str = "127.0.0.1", port: int = 0,
+                  shutdown_grace: float = 30.0) -> AsyncIterator[str]:
+    """Serve ``app`` on the running event loop (a notebook's, a test's) and yield its URL;
+    on exit, in-flight requests get ``shutdown_grace`` seconds, then the app is cleaned up."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_grace)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        yield f"http://{host}:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+async def _until_signalled(app: web.Application, config: RouterConfig) -> None:
+    """Serve until SIGINT or SIGTERM, printing the address once listening."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    urls = ", ".join(r.url for r in app[ROUTER].replicas.replicas)
+    async with running(app, config.host, config.port, config.shutdown_grace) as url:
+        print(f"minillm router ({config.policy}) serving at {url} over {urls}   (Ctrl+C to stop)", flush=True)
+        await stop.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_router_args(argv)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    started = time.monotonic()
+    spawned = spawn_replicas(config) if config.spawn else []
+    if spawned:
+        log.info("spawned %d replicas in %.1f s", len(spawned), time.monotonic() - started)
+    try:
+        app = create_router(config.replicas + [s.url for s in spawned], config)
+        asyncio.run(_until_signalled(app, config))
+    finally:
+        for server in spawned:
+            server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    run(main, prog="python -m server.router")

@@ -1,0 +1,381 @@
+"""The router (``server.router``): policies, replica health, failover, streams, cancellation.
+
+Policies and health bookkeeping are pure and tested with plain objects. Everything else runs
+the real router app on a real socket in front of *fake* replicas: small aiohttp apps that
+stream, refuse, die mid-stream or stall on command, so each failure happens exactly when the
+test wants it. ``test_router_live.py`` puts the router in front of real ``python -m server``s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from minillm.cli import UsageError
+from server.replicas import Replica, ReplicaSet, parse_load
+from server.router import ROUTER, create_router, running, spawn_replicas
+from server.router_config import RouterConfig, parse_router_args
+from server.routing import (LeastOutstanding, LoadAware, PrefixAffinity, RoundRobin, affinity_key, make_policy)
+
+# ----------------------------------------------------------------------------- policies (pure)
+
+
+def fleet(n: int = 3) -> list[Replica]:
+    return [Replica(f"http://r{i}") for i in range(n)]
+
+
+def test_round_robin_takes_each_replica_in_turn() -> None:
+    r, policy = fleet(), RoundRobin()
+    assert [policy.choose(r).url for _ in range(6)] == ["http://r0", "http://r1", "http://r2"] * 2
+
+
+def test_least_outstanding_picks_the_least_busy_and_rotates_among_ties() -> None:
+    r, policy = fleet(), LeastOutstanding()
+    r[0].outstanding, r[1].outstanding, r[2].outstanding = 3, 1, 2
+    assert policy.choose(r) is r[1]
+    r[1].outstanding = 2
+    assert {policy.choose(r).url for _ in range(4)} == {"http://r1", "http://r2"}  # both tied at 2
+
+
+def test_load_aware_counts_the_replicas_own_queue_and_kv_pressure() -> None:
+    r, policy = fleet(), LoadAware()
+    r[0].waiting = 5  # traffic this router never sent: only /metrics shows it
+    r[1].kv_usage = 0.9  # nearly full cache: 0.9 * 4 = 3.6
+    r[2].outstanding = 3
+    assert policy.choose(r) is r[2]  # 3 < 3.6 < 5
+    assert LeastOutstanding().choose(r) is not r[2]  # which least-outstanding cannot see
+
+
+def test_prefix_affinity_is_sticky_stable_and_bounded() -> None:
+    r, policy = fleet(4), PrefixAffinity(balance_slack=3)
+    keys = [f"system prompt {i}".encode() for i in range(40)]
+    home = {k: policy.choose(r, k) for k in keys}
+    assert all(policy.choose(r, k) is home[k] for k in keys)  # sticky
+    assert len({h.url for h in home.values()}) == 4  # and spread over the fleet
+    without = [x for x in r if x is not r[0]]  # r0 leaves: only its keys move
+    assert all(policy.choose(without, k) is home[k] for k in keys if home[k] is not r[0])
+    hot = keys[0]
+    home[hot].outstanding = 3  # 3 more than the least busy: bounded load sends it elsewhere
+    assert policy.choose(r, hot) is not home[hot]
+    home[hot].outstanding = 2
+    assert policy.choose(r, hot) is home[hot]
+
+
+def test_affinity_key_uses_the_session_else_the_prompts_start() -> None:
+    long = "Once upon a time " * 40
+    assert affinity_key({"prompt": long + "the end"}) == affinity_key({"prompt": long + "a dragon"})
+    assert affinity_key({"prompt": "a"}) != affinity_key({"prompt": "b"})
+    assert affinity_key({"prompt": "a", "user": "u1"}) == affinity_key({"prompt": "b", "user": "u1"})
+    assert affinity_key({"prompt": list(range(100))}) == affinity_key({"prompt": list(range(64)) + [7] * 30})
+    assert affinity_key({"prompt": ["first", "second"]}) == affinity_key({"prompt": "first"})
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert affinity_key(chat) is not None and affinity_key(chat) != affinity_key({"prompt": "hi"})
+    assert affinity_key(None) is None and affinity_key({"prompt": 3}) is None
+    with pytest.raises(ValueError, match="policy must be one of"):
+        make_policy("random")
+
+
+# ----------------------------------------------------------------------------- health (pure)
+
+METRICS_PAGE = """# HELP minillm:num_requests_waiting Requests waiting to be scheduled.
+# TYPE minillm:num_requests_waiting gauge
+minillm:num_requests_waiting 7.0
+# TYPE minillm:kv_cache_usage_perc gauge
+minillm:kv_cache_usage_perc 0.25
+# TYPE minillm:prefix_cache_hit_rate gauge
+minillm:prefix_cache_hit_rate 0.5
+# TYPE minillm:generation_tokens counter
+minillm:generation_tokens_total 99.0
+"""
+
+
+def test_checks_eject_after_a_run_of_failures_and_readmit_after_a_run_of_passes() -> None:
+    assert parse_load(METRICS_PAGE) == {"waiting": 7.0, "kv_usage": 0.25, "prefix_hit_rate": 0.5}
+    pool = ReplicaSet(["http://a", "http://b/"], eject_after=2, readmit_after=2)
+    a, b = pool.replicas
+    assert b.url == "http://b"
+    pool.record_check(a, False)
+    assert a.healthy  # one failure is not enough
+    pool.record_check(a, True)
+    pool.record_check(a, False)
+    assert a.healthy  # the run was broken
+    pool.record_check(a, False)
+    assert not a.healthy and a.ejections == 1 and pool.healthy() == [b]
+    pool.record_check(a, True, parse_load(METRICS_PAGE))
+    assert not a.healthy and a.waiting == 7.0
+    pool.record_check(a, True)
+    assert a.healthy and a.readmissions == 1
+    pool.report_failure(b, "connection refused")  # a passive check ejects at once
+    assert not b.healthy and b.errors == 1 and b.ejections == 1
+    with pytest.raises(ValueError, match="listed twice"):
+        ReplicaSet(["http://a", "http://a/"])
+
+
+def test_router_flags_are_checked_in_one_line(capsys, tmp_path) -> None:
+    config = parse_router_args(["--replica", "http://h:1", "--replica", "http://h:2", "--policy", "prefix"], {})
+    assert config.replicas == ["http://h:1", "http://h:2"] and config.policy == "prefix"
+    assert parse_router_args([], {"MINILLM_ROUTER_REPLICA": "http://a:1,http://b:2"}).replicas == ["http://a:1",
+                                                                                                  "http://b:2"]
+    for argv, message in ((["--spawn", "2", "--replica", "http://h:1"], "one or the other"), ([], "one or the other"),
+                          (["--replica", "h:1"], "--replica wants a URL"),
+                          (["--spawn", "99"], "--spawn must be in 0..16"),
+                          (["--spawn", "1", "--health-interval", "0"], "--health-interval must be > 0"),
+                          (["--spawn", "1", "--replica-args", "'unclosed"], "--replica-args")):
+        with pytest.raises(UsageError, match=message):
+            parse_router_args(argv, {})
+    with pytest.raises(SystemExit):
+        parse_router_args(["--spawn", "1", "--policy", "fastest"], {})
+    assert "invalid choice: 'fastest'" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="--checkpoint: no checkpoint at"):
+        spawn_replicas(RouterConfig(spawn=1, checkpoint=str(tmp_path / "none.pt")))
+
+
+# ----------------------------------------------------------------------------- fake replicas
+
+SEEN = web.AppKey("seen", dict)
+
+
+@dataclass
+class Fake:
+    """A replica that behaves as told: ``mode`` is ok | refuse | cut | slow."""
+
+    mode: str = "ok"
+    events: int = 3
+    healthy: bool = True
+    waiting: float = 0.0
+    bodies: list = field(default_factory=list)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def chunk(text: str) -> bytes:
+    return f"data: {json.dumps({'choices': [{'index': 0, 'text': text}]})}\n\n".encode()
+
+
+def fake_app(fake: Fake) -> web.Application:
+    async def complete(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        fake.bodies.append(body)
+        if fake.mode == "refuse":
+            return web.json_response({"error": {"message": "busy", "code": "rate_limit_exceeded"}}, status=429)
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"text": "whole"}]})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            for i in range(fake.events if fake.mode != "slow" else 10_000):
+                await response.write(chunk(f"t{i}"))
+                if fake.mode == "cut" and i == 1:
+                    request.transport.close()  # the process died: no more bytes, no [DONE]
+                    return response
+                await asyncio.sleep(0.02 if fake.mode == "slow" else 0)
+        except asyncio.CancelledError:
+            fake.cancelled.set()  # the server's handler saw its client (the router) leave
+            raise
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({}, status=200 if fake.healthy else 503)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=f"minillm:num_requests_waiting {fake.waiting}\n")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def dead_url() -> str:
+    """A port nothing listens on: connecting is refused, as with a crashed replica."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@contextlib.asynccontextmanager
+async def router_over(fakes: list[Fake | str], **options):
+    """The router on a free port in front of ``fakes`` (a string is a URL used as is)."""
+    async with contextlib.AsyncExitStack() as stack:
+        urls = [f if isinstance(f, str) else await stack.enter_async_context(running(fake_app(f))) for f in fakes]
+        config = RouterConfig(replicas=urls, health_interval=options.pop("health_interval", 30), **options)
+        app = create_router(urls, config)
+        url = await stack.enter_async_context(running(app, shutdown_grace=1))
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        yield url, app[ROUTER], session
+
+
+async def events(response: aiohttp.ClientResponse) -> list:
+    out = []
+    async for line in response.content:
+        if line.startswith(b"data: "):
+            data = line[6:].strip().decode()
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+STREAM = {"prompt": "Once", "max_tokens": 3, "stream": True}
+
+
+def run(coro) -> None:
+    asyncio.run(asyncio.wait_for(coro, 20))
+
+
+async def router_metrics(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(f"{url}/metrics") as response:
+        return await response.text()
+
+
+# ----------------------------------------------------------------------------- routing over HTTP
+
+
+def test_a_dead_replica_is_retried_before_the_first_token_and_ejected() -> None:
+    async def main() -> None:
+        dead, good = dead_url(), Fake()
+        async with router_over([dead, good], policy="round-robin") as (url, state, session):
+            async with session.post(f"{url}/v1/completions", json=STREAM) as response:
+                assert response.status == 200
+                got = await events(response)
+            assert [e["choices"][0]["text"] for e in got[:-1]] == ["t0", "t1", "t2"] and got[-1] == "[DONE]"
+            assert [r.healthy for r in state.replicas.replicas] == [False, True]
+            text = await router_metrics(session, url)
+        assert "minillm_router:retries_total 1.0" in text
+        assert f'minillm_router:replica_ejections_total{{replica="{dead}"}} 1.0' in text
+        assert 'minillm_router:requests_total{status="200"} 1.0' in text and len(good.bodies) == 1
+
+    run(main())
+
+
+def test_a_refusal_goes_to_another_replica_and_the_last_refusal_reaches_the_client() -> None:
+    async def main() -> None:
+        busy, good = Fake(mode="refuse"), Fake()
+        async with router_over([busy, good], policy="round-robin") as (url, state, session):
+            async with session.post(f"{url}/v1/completions", json={"prompt": "x"}) as response:
+                assert response.status == 200 and await response.json() == {"choices": [{"text": "whole"}]}
+            assert state.replicas.replicas[0].healthy  # a 429 is load, not ill health
+        async with router_over([Fake(mode="refuse")], max_attempts=3) as (url, state, session):
+            async with session.post(f"{url}/v1/completions", json={"prompt": "x"}) as response:
+                assert response.status == 429
+                assert (await response.json())["error"]["code"] == "rate_limit_exceeded"
+            assert state.replicas.replicas[0].requests == 1  # one replica: tried once, not three times
+
+    run(main())
+
+
+def test_a_bad_request_is_passed_back_without_a_retry() -> None:
+    async def bad(request: web.Request) -> web.Response:
+        calls.append(1)
+        return web.json_response({"error": {"message": "temperature", "param": "temperature"}}, status=400)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    calls: list = []
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", bad)
+        app.router.add_get("/health", health)
+        async with running(app) as replica, router_over([replica, Fake()], policy="round-robin") as (url, _, session):
+            async with session.post(f"{url}/v1/completions", json={"prompt": "x"}) as response:
+                assert response.status == 400 and (await response.json())["error"]["param"] == "temperature"
+        assert calls == [1]
+
+    run(main())
+
+
+def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event() -> None:
+    async def main() -> None:
+        async with router_over([Fake(mode="cut", events=5), Fake()], policy="round-robin") as (url, state, session):
+            async with session.post(f"{url}/v1/completions", json=STREAM) as response:
+                assert response.status == 200
+                got = await events(response)
+            assert [e["choices"][0]["text"] for e in got[:2]] == ["t0", "t1"]
+            assert got[2]["error"]["code"] == "replica_failed" and got[3] == "[DONE]" and len(got) == 4
+            assert state.midstream_failures == 1 and not state.replicas.replicas[0].healthy
+            assert "minillm_router:midstream_failures_total 1.0" in await router_metrics(session, url)
+
+    run(main())
+
+
+def test_a_client_leaving_the_router_cancels_the_request_on_the_replica() -> None:
+    async def main() -> None:
+        slow = Fake(mode="slow")
+        async with router_over([slow]) as (url, state, session):
+            response = await session.post(f"{url}/v1/completions", json=STREAM)
+            assert (await response.content.readuntil(b"\n\n")).startswith(b"data: ")
+            assert not slow.cancelled.is_set()
+            response.close()  # the client goes away mid-stream
+            await asyncio.wait_for(slow.cancelled.wait(), 5)
+            for _ in range(100):  # the router's own handler unwinds a moment later
+                if state.replicas.replicas[0].outstanding == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert state.replicas.replicas[0].outstanding == 0
+
+    run(main())
+
+
+def test_health_checks_eject_and_readmit_and_no_replica_is_a_503() -> None:
+    async def main() -> None:
+        a, b = Fake(), Fake()
+        async with router_over([a, b], health_interval=0.05) as (url, state, session):
+            ra, rb = state.replicas.replicas
+            a.healthy = b.healthy = False
+            for _ in range(200):
+                if not ra.healthy and not rb.healthy:
+                    break
+                await asyncio.sleep(0.01)
+            async with session.post(f"{url}/v1/completions", json={"prompt": "x"}) as response:
+                assert response.status == 503
+                assert (await response.json())["error"]["code"] == "no_healthy_replica"
+            async with session.get(f"{url}/health") as response:
+                assert response.status == 503
+                assert (await response.json())["replicas"] == {ra.url: "ejected", rb.url: "ejected"}
+            a.healthy = True
+            for _ in range(200):
+                if ra.healthy:
+                    break
+                await asyncio.sleep(0.01)
+            assert ra.healthy and ra.readmissions == 1 and not rb.healthy
+            async with session.get(f"{url}/health") as response:
+                assert response.status == 200
+            async with session.get(f"{url}/v1/nothing") as response:
+                assert response.status == 404 and (await response.json())["error"]["type"] == "invalid_request_error"
+
+    run(main())
+
+
+def test_load_aware_routing_reads_the_replicas_metrics() -> None:
+    async def main() -> None:
+        queued, idle = Fake(waiting=6), Fake()
+        async with router_over([queued, idle], policy="load-aware") as (url, state, session):
+            assert [r.waiting for r in state.replicas.replicas] == [6.0, 0.0]  # scraped at startup
+            for _ in range(4):
+                async with session.post(f"{url}/v1/completions", json={"prompt": "x"}) as response:
+                    assert response.status == 200
+        assert (len(queued.bodies), len(idle.bodies)) == (0, 4)
+
+    run(main())
+
+
+def test_the_shared_prefix_workload_shares_exactly_its_prefixes() -> None:
+    from server.router_bench import QUICK, shared_prefix_prompts
+
+    prompts = shared_prefix_prompts(QUICK, seed=1)
+    assert len(prompts) == QUICK.prefix_requests
+    assert {len(p) for p in prompts} == {QUICK.prefix_len + QUICK.suffix_len}
+    prefixes = {tuple(p[:QUICK.prefix_len]) for p in prompts}
+    assert 1 < len(prefixes) <= QUICK.groups  # shared: fewer prefixes than prompts
+    assert len({tuple(p[QUICK.prefix_len:]) for p in prompts}) == len(prompts)  # each suffix its own
+    assert prefixes.isdisjoint(tuple(p[:QUICK.prefix_len]) for p in shared_prefix_prompts(QUICK, seed=2))
+    assert len({affinity_key({"prompt": p}) for p in prompts}) == len(prefixes)  # the router sees the groups
