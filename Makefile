@@ -4,6 +4,7 @@
 #   make lab    - JupyterLab on notebooks/
 #   make book   - the HTML book, offline, into _build/html
 #   make loadtest - a load sweep against a running server (start one with make serve first)
+#   make router - the router on http://127.0.0.1:8080 over two local replicas of the server (chapter 14)
 #   make bench  - the engine benchmark (every generation method, one workload) into benchmarks/results
 
 PYTHON ?= python3
@@ -13,7 +14,7 @@ PIP    := $(PY) -m pip install --progress-bar off --quiet
 BASE   := $(VENV)/.installed-base
 DEV    := $(VENV)/.installed-dev
 
-.PHONY: serve test test-unit test-notebooks lab book bench loadtest clean
+.PHONY: serve test test-unit test-notebooks lab book bench loadtest router clean
 
 serve: $(BASE)
 	$(PY) -m server
@@ -33,6 +34,9 @@ LOADTEST_ARGS ?= --sweep 2,4,8,16,32,64,inf --num-prompts 64 --dataset corpus --
 loadtest: $(BASE)
 	$(PY) -m server.loadgen --url http://127.0.0.1:8000 $(LOADTEST_ARGS)
 
+router: $(BASE)
+	$(PY) -m server.router --spawn 2 --policy load-aware
+
 bench: $(DEV)
 	$(PY) -m minillm.bench engine
 
@@ -49,7 +53,7 @@ $(BASE): pyproject.toml | $(PY)
 	touch $@
 
 $(DEV): pyproject.toml | $(PY)
-	$(PIP) -e ".[dev,book]"
+	$(PIP) -e ".[dev,book,triton]"
 	touch $@ $(BASE)
 
 clean:

@@ -21,8 +21,11 @@ from minillm.checkpoint import load_model, load_or_train
 from minillm.cli import UsageError, run
 from minillm.engine.llm import resolve_dtype
 from minillm.engine.llm_engine import LLMEngine
+from minillm.engine.speculator import Speculator, build_speculator
 from minillm.hardware import default_device
 from minillm.model import GPT
+from minillm.parallel import check_tensor_parallel_size
+from minillm.quant import cast_and_quantize
 from minillm.tokenizer import get_tokenizer
 from server.app import create_app
 from server.config import ServerConfig, parse_args
@@ -32,7 +35,7 @@ log = logging.getLogger("server")
 
 def load(config: ServerConfig) -> GPT:
     """The model to serve: ``--checkpoint``, or the newest ``cpu`` preset (trained on first use),
-    on ``--device`` in ``--dtype``."""
+    on ``--device`` in ``--dtype``, quantized if ``--quantize`` says so."""
     try:
         device = torch.device(config.device) if config.device else default_device()
         torch.empty(1, device=device)
@@ -42,7 +45,16 @@ def load(config: ServerConfig) -> GPT:
         model = load_model(config.checkpoint, device) if config.checkpoint else load_or_train("cpu", device)
     except FileNotFoundError as err:
         raise UsageError(f"--checkpoint: {err}") from None
-    return model.to(dtype=resolve_dtype(config.dtype))
+    return cast_and_quantize(model, resolve_dtype(config.dtype), config.quantize)
+
+
+def load_speculator(config: ServerConfig, model: GPT) -> Speculator | None:
+    """``--speculative-draft``: a draft model's checkpoint (on the target's device and dtype),
+    ``ngram`` for prompt lookup, or nothing."""
+    try:
+        return build_speculator(config.speculative_draft, model, config.num_speculative_tokens)
+    except (FileNotFoundError, ValueError) as err:
+        raise UsageError(f"--speculative-draft: {err}") from None
 
 
 def banner(config: ServerConfig, port: int) -> str:
@@ -109,8 +121,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = load(config)
-    engine = LLMEngine(model, config.engine_config(), get_tokenizer())
-    asyncio.run(_serve_until_signalled(create_app(engine, config), config))
+    try:
+        check_tensor_parallel_size(model.cfg, config.tensor_parallel_size)
+        engine = LLMEngine(model, config.engine_config(), get_tokenizer(), load_speculator(config, model))
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    try:
+        asyncio.run(_serve_until_signalled(create_app(engine, config), config))
+    finally:
+        engine.close()  # a tensor-parallel model's workers
     return 0
 
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import MISSING, dataclass, fields
+from typing import Callable, Mapping, Sequence
 
 from minillm.cli import ArgumentParser, UsageError
 from minillm.engine.kv_cache import parse_memory
 from minillm.engine.llm import resolve_dtype
 from minillm.engine.llm_engine import EngineConfig
+from minillm.quant import check_scheme
 
 ENV_PREFIX = "MINILLM_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -47,6 +48,11 @@ class ServerConfig:
     log_level: str = "info"
     max_body_bytes: int = 1 << 20
     shutdown_grace: float = 30.0
+    tensor_parallel_size: int = 1
+    attention: str = "torch"
+    speculative_draft: str | None = None
+    num_speculative_tokens: int = 4
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -59,6 +65,14 @@ class ServerConfig:
             raise ValueError("api_key must not be empty (leave it unset to serve without a key)")
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.speculative_draft and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_draft does not combine with tensor_parallel_size > 1 (not supported)")
+        if self.quantize is not None:
+            check_scheme(self.quantize)
+            if self.tensor_parallel_size > 1:
+                raise ValueError("quantize does not combine with tensor_parallel_size > 1 (not supported)")
         resolve_dtype(self.dtype)
         self.engine_config()  # the engine's own checks, now rather than after loading the model
 
@@ -69,6 +83,8 @@ class ServerConfig:
             kv_cache_memory=self.kv_cache_memory,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            tensor_parallel_size=self.tensor_parallel_size,
+            attention=self.attention,
         )
 
 
@@ -79,6 +95,13 @@ def _memory(text: str) -> str:
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
     return text
+
+
+def _scheme(text: str) -> str:
+    try:
+        return check_scheme(text.lower())
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _bytes(text: str) -> int:
@@ -106,35 +129,57 @@ FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     ("--log-level", str.lower, "debug | info | warning | error"),
     ("--max-body-bytes", _bytes, "largest request body accepted (413 beyond), e.g. 1MiB"),
     ("--shutdown-grace", float, "seconds in-flight requests may finish after SIGTERM"),
+    ("--tensor-parallel-size", int, "split the model over N processes (N must divide its attention heads; "
+                                    "one GPU each on CUDA)"),
+    ("--attention", str.lower, "torch | triton (chapter 13's kernels: a CUDA GPU and `pip install -e .[triton]`; "
+                               "on a CPU Triton's interpreter, exact but very slow)"),
+    ("--speculative-draft", str, "speculative decoding (chapter 12): a draft model's checkpoint, or `ngram` for "
+                                 "prompt lookup; it runs on steps that decode a single request, while batched "
+                                 "steps decode one token per request as usual"),
+    ("--num-speculative-tokens", int, "draft tokens per speculative step (with --speculative-draft)"),
+    ("--quantize", _scheme, "int8 | int4: weight-only quantization of the model's matrices (chapter 11); "
+                            "activations are then bf16 unless --dtype says otherwise"),
 ]
 
 
-def env_name(flag: str) -> str:
+def env_name(flag: str, prefix: str = ENV_PREFIX) -> str:
     """``--max-queue`` -> ``MINILLM_MAX_QUEUE``."""
-    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+    return prefix + flag.lstrip("-").replace("-", "_").upper()
 
 
-def build_parser(environ: dict[str, str] | None = None) -> ArgumentParser:
-    """The ``python -m server`` parser. A variable's value becomes the flag's default as a
-    string, so argparse converts and checks it exactly as it would the flag itself."""
-    environ = os.environ if environ is None else environ
-    defaults = ServerConfig()
+def dataclass_defaults(cls: type) -> dict[str, object]:
+    """A settings dataclass's field defaults, without building one (its checks may need input)."""
+    return {f.name: f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+            for f in fields(cls) if f.default is not MISSING or f.default_factory is not MISSING}
+
+
+def add_env_flags(parser: argparse.ArgumentParser, flags: list[tuple[str, Callable[[str], object], str]],
+                  defaults: dict[str, object], environ: Mapping[str, str], prefix: str = ENV_PREFIX,
+                  choices: Mapping[str, Sequence[str]] | None = None) -> None:
+    """Add ``(flag, type, help)`` flags whose defaults come from ``defaults``, or from the
+    environment variable ``env_name(flag, prefix)`` when it is set. The variable's value becomes
+    the default as a string, so argparse converts and checks it exactly as it would the flag."""
+    for flag, kind, text in flags:
+        dest = flag.lstrip("-").replace("-", "_")
+        variable = env_name(flag, prefix)
+        shown = "" if defaults[dest] is None else "; default: %(default)s"  # never echo a key
+        parser.add_argument(flag, type=kind, default=environ.get(variable, defaults[dest]),
+                            choices=(choices or {}).get(flag), help=f"{text} [env {variable}{shown}]")
+
+
+def build_parser(environ: Mapping[str, str] | None = None) -> ArgumentParser:
+    """The ``python -m server`` parser."""
     parser = ArgumentParser(
         prog="python -m server",
         description="An OpenAI-compatible streaming server for a minillm model. "
         f"Every flag can also be set as an environment variable, e.g. {env_name('--port')}.",
     )
-    for flag, kind, text in FLAGS:
-        dest = flag.lstrip("-").replace("-", "_")
-        default = environ.get(env_name(flag), getattr(defaults, dest))
-        choices = LOG_LEVELS if flag == "--log-level" else None
-        shown = "" if getattr(defaults, dest) is None else "; default: %(default)s"  # never echo a key
-        parser.add_argument(flag, type=kind, default=default, choices=choices,
-                            help=f"{text} [env {env_name(flag)}{shown}]")
+    add_env_flags(parser, FLAGS, dataclass_defaults(ServerConfig), os.environ if environ is None else environ,
+                  choices={"--log-level": LOG_LEVELS})
     return parser
 
 
-def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> ServerConfig:
+def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
     """Flags and environment to a checked ``ServerConfig``; any problem is a ``UsageError``."""
     args = build_parser(environ).parse_args(argv)
     try:

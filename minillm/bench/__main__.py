@@ -8,7 +8,10 @@ from typing import Sequence
 
 import torch
 
+from minillm.bench import attention as attention_bench
 from minillm.bench import engine as eb
+from minillm.bench import quant as quant_bench
+from minillm.bench import speculative as speculative_bench
 from minillm.checkpoint import CHECKPOINT_NAME, load_model, preset_dir
 from minillm.cli import ArgumentParser, UsageError, run
 from minillm.config import PRESETS, get_preset
@@ -46,6 +49,9 @@ def build_parser() -> ArgumentParser:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
     e.add_argument("--smoke", action="store_true", help="a tiny run that checks the benchmark works (CI)")
+    attention_bench.add_arguments(sub.add_parser("attention", help="naive vs tiled vs fused attention; engine backends"))
+    speculative_bench.add_arguments(sub.add_parser("speculative", help="speculative decoding: acceptance and speedup vs k"))
+    quant_bench.add_arguments(sub.add_parser("quant", help="fp32, bf16, fp16, int8, int4: bytes, speed, quality"))
     return p
 
 
@@ -137,8 +143,17 @@ def plot(report: dict, path: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    report = bench_engine(args)
     out = Path(args.out) if args.out else (project_root() or Path.cwd()) / "benchmarks" / "results"
+    if args.bench == "attention":
+        attention_bench.save(attention_bench.run_attention_bench(args), out)
+        return 0
+    if args.bench == "speculative":
+        speculative_bench.run_from_args(args, out)
+        return 0
+    if args.bench == "quant":
+        quant_bench.run_from_args(args, out)
+        return 0
+    report = bench_engine(args)
     print(f"\nsaved {save(report, out)}")
     return 0
 

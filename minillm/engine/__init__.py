@@ -5,6 +5,7 @@
 - ``scheduler``: who runs this step: admission, the token budget, preemption by recompute.
 - ``model_runner``: turns a scheduled batch into tensors and runs one forward pass.
 - ``llm_engine``: ``add_request``, ``step`` and ``abort``; ``LLM.generate`` for offline batches.
+- ``speculator``: speculative decoding (chapter 12) for steps that decode a single request.
 
 The first three are plain Python, so the scheduling policy can be read and tested without a
 model; only the runner touches tensors.

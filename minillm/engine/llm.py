@@ -19,8 +19,10 @@ from tqdm.auto import tqdm
 
 from minillm.checkpoint import load_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine.speculator import build_speculator
 from minillm.hardware import DTYPES as HW_DTYPES
 from minillm.model import GPT
+from minillm.quant import cast_and_quantize
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 
@@ -50,7 +52,16 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 class LLM:
     """A model and an engine around it. ``model`` is a ``GPT`` (moved to ``device``/``dtype``
-    in place) or a checkpoint path; the other keywords are :class:`EngineConfig` fields."""
+    in place) or a checkpoint path; the other keywords are :class:`EngineConfig` fields.
+    With ``tensor_parallel_size=N`` the engine starts N - 1 worker processes: ``close()`` the
+    ``LLM`` (or use it in a ``with``) to stop them.
+
+    ``speculative_draft`` (a ``GPT``, a checkpoint path, or ``"ngram"`` for prompt lookup)
+    turns on speculative decoding with ``num_speculative_tokens`` drafts per step; it applies
+    to steps that decode a single prompt, and batched steps run as usual (chapter 12).
+
+    ``quantize="int8"`` or ``"int4"`` stores the model's matrices in that many bits
+    (``minillm.quant``); its activations are then bf16 unless ``dtype`` says otherwise (chapter 11)."""
 
     def __init__(
         self,
@@ -59,13 +70,30 @@ class LLM:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         tokenizer: Tokenizer | None = None,
+        speculative_draft: GPT | str | Path | None = None,
+        num_speculative_tokens: int = 4,
+        quantize: str | None = None,
         **engine_options: object,
     ) -> None:
         if not isinstance(model, GPT):
             model = load_model(model, device or "cpu")
-        model.to(device=device, dtype=resolve_dtype(dtype))
-        self.engine = LLMEngine(model, EngineConfig(**engine_options), tokenizer)  # type: ignore[arg-type]
+        if quantize is not None and engine_options.get("tensor_parallel_size", 1) != 1:
+            raise ValueError("quantize does not combine with tensor_parallel_size > 1 (not supported)")
+        model.to(device=device)
+        cast_and_quantize(model, resolve_dtype(dtype), quantize)  # "int8" | "int4", in place (chapter 11)
+        speculator = build_speculator(speculative_draft, model, num_speculative_tokens)
+        self.engine = LLMEngine(model, EngineConfig(**engine_options), tokenizer, speculator)  # type: ignore[arg-type]
         self._next_id = 0
+
+    def close(self) -> None:
+        """Stop what the engine started (a tensor-parallel model's workers); idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self,

@@ -18,12 +18,14 @@ import torch
 from minillm.config import ModelConfig
 from minillm.detokenizer import IncrementalDetokenizer
 from minillm.engine.block_allocator import BlockAllocator
-from minillm.engine.kv_cache import PagedKVPool, blocks_for_memory, parse_memory
+from minillm.engine.kv_cache import ATTENTION_BACKENDS, PagedKVPool, blocks_for_memory, parse_memory
 from minillm.engine.model_runner import ModelRunner
 from minillm.engine.scheduler import Scheduler, SchedulerOutput
+from minillm.engine.speculator import Speculator
 from minillm.engine.sequence import FinishReason, Sequence
 from minillm.model import GPT
 from minillm.sampling import SamplingParams
+from minillm.speculative import Draft
 from minillm.tokenizer import Tokenizer, get_tokenizer
 
 CPU_KV_CACHE_MEMORY = "1GiB"
@@ -36,7 +38,8 @@ class EngineConfig:
 
     ``kv_cache_memory`` is a byte budget (``"6GiB"``); by default 1 GiB on a CPU, and on a GPU
     90% of the memory left free after the model is loaded. ``num_blocks`` overrides it (tests
-    use tiny pools to force preemption).
+    use tiny pools to force preemption). ``tensor_parallel_size`` splits the model over that
+    many processes (``minillm.parallel``); the KV budget is then per rank, each holding its heads.
     """
 
     block_size: int = 16
@@ -46,8 +49,16 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+    attention: str = "torch"  # "triton": chapter 13's kernels (CUDA, or the interpreter on a CPU)
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention!r}")
+        if self.attention == "triton" and self.tensor_parallel_size > 1:
+            raise ValueError("attention='triton' runs on one device; use it with tensor_parallel_size=1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -105,11 +116,26 @@ class EngineStats:
 class LLMEngine:
     """The paged, continuously batched engine over one ``GPT``."""
 
-    def __init__(self, model: GPT, config: EngineConfig | None = None, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(
+        self,
+        model: GPT,
+        config: EngineConfig | None = None,
+        tokenizer: Tokenizer | None = None,
+        speculator: Speculator | None = None,
+    ) -> None:
+        """``speculator``: speculative decoding for steps that decode a single request
+        (:mod:`minillm.engine.speculator`); batched steps run as usual."""
+        config = config or EngineConfig()
+        if config.tensor_parallel_size > 1:  # this process is rank 0; the other shards run in workers
+            from minillm.parallel_engine import TensorParallelGPT  # (it imports this package)
+
+            model = TensorParallelGPT(model.eval(), config.tensor_parallel_size)  # type: ignore[assignment]
         self.model = model.eval()
-        self.config = config or EngineConfig()
+        self.config = config
         self.tokenizer = tokenizer or get_tokenizer()
         weight = model.tok_emb.weight
+        if self.config.attention == "triton":  # fail now, not in the first request
+            _require_triton(weight.device)
         num_blocks = self.config.pool_blocks(model.cfg, weight.dtype, weight.device)
         self.pool = PagedKVPool(model.cfg, num_blocks, self.config.block_size, weight.device, weight.dtype)
         self.allocator = BlockAllocator(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
@@ -120,7 +146,8 @@ class LLMEngine:
             max_model_len=model.cfg.context_length,
             enable_chunked_prefill=self.config.enable_chunked_prefill,
         )
-        self.runner = ModelRunner(model, self.pool)
+        self.runner = ModelRunner(model, self.pool, self.config.attention)
+        self.speculator = speculator
         self._sequences: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._steps = self._prefill_tokens = self._generated = 0
@@ -161,6 +188,8 @@ class LLMEngine:
         self.last_step = output
         if output.is_empty:
             return []
+        if self.speculator is not None and self.speculator.applies(output):
+            return self._speculative_step(output)
         tokens = self.runner.execute(output)  # if this raises, no sequence has changed
         now = time.monotonic()
         results: dict[str, RequestOutput] = {}
@@ -176,6 +205,38 @@ class LLMEngine:
                 self._retire(seq.request_id)
         self._steps += 1
         return list(results.values())
+
+    def _speculative_step(self, output: SchedulerOutput) -> list[RequestOutput]:
+        """The one running request's decode, with draft tokens checked in the same forward:
+        room is made for the draft's slots (or the step runs without a draft), the runner
+        verifies, and every accepted token plus the next one is appended, as one output."""
+        chunk = output.chunks[0]
+        seq = chunk.seq
+        generator = self.runner.generator(chunk)
+        draft = self.speculator.propose(seq, generator)
+        if not self.allocator.can_allocate(seq, seq.num_tokens + len(draft)):
+            draft = Draft()
+        self.allocator.grow(seq, seq.num_tokens + len(draft))
+        accepted, token = self.runner.verify(chunk, draft, generator)
+        emitted = draft.tokens[:accepted] + [token]
+        self.speculator.stats.record(len(draft), accepted, len(emitted))
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        try:
+            for t in emitted:
+                outputs.append(self._append(seq, t, now))
+                if seq.is_finished:
+                    break
+            self._generated += len(outputs)
+            chunk.num_tokens = len(outputs)  # so postprocess advances past the accepted tokens only
+        finally:
+            for finished in self.scheduler.postprocess(output, now):
+                self._retire(finished.request_id)
+        self._steps += 1
+        last = outputs[-1]
+        last.new_token_ids = [t for out in outputs for t in out.new_token_ids]
+        last.new_text = "".join(out.new_text for out in outputs)
+        return [last]
 
     def _append(self, seq: Sequence, token: int, now: float) -> RequestOutput:
         seq.append_token(token, now)
@@ -208,6 +269,14 @@ class LLMEngine:
         self._sequences.pop(request_id, None)
         self._detokenizers.pop(request_id, None)
         self.runner.forget(request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
+
+    def close(self) -> None:
+        """Release what outlives the engine's steps: a tensor-parallel model's worker processes."""
+        close = getattr(self.model, "close", None)
+        if close is not None:
+            close()
 
     @property
     def has_unfinished(self) -> bool:
@@ -226,3 +295,13 @@ class LLMEngine:
             prefill_tokens=self._prefill_tokens,
             generated_tokens=self._generated,
         )
+
+
+def _require_triton(device: torch.device) -> None:
+    """A ``ValueError`` that says why ``attention="triton"`` cannot run on ``device``."""
+    from minillm.kernels.runtime import TritonUnavailable, require_triton
+
+    try:
+        require_triton(device)
+    except TritonUnavailable as err:
+        raise ValueError(f"attention='triton' cannot run here: {err}") from None

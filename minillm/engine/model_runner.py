@@ -16,6 +16,7 @@ from minillm.engine.kv_cache import DecodeGroup, PagedAttention, PagedKVPool, Pr
 from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from minillm.model import GPT
 from minillm.sampling import make_generator, sample
+from minillm.speculative import Draft, accept
 
 
 # Decodes attended together in one call. Larger groups mean fewer calls but more padding
@@ -26,8 +27,9 @@ DECODE_GROUP = 16
 class ModelRunner:
     """Owns the model and the KV pool's storage; knows nothing about who is waiting."""
 
-    def __init__(self, model: GPT, pool: PagedKVPool) -> None:
+    def __init__(self, model: GPT, pool: PagedKVPool, attention: str = "torch") -> None:
         self.model, self.pool = model, pool
+        self.attention = attention  # "torch" or "triton": see PagedAttention
         self.device = model.tok_emb.weight.device
         self._generators: dict[str, torch.Generator | None] = {}
 
@@ -44,7 +46,8 @@ class ModelRunner:
         ordered = decodes + prefills
         tokens, positions, slots = self._flatten(ordered)
         attention = PagedAttention(
-            self.pool, slots, self._decode_groups(decodes), self._prefill_chunks(prefills, offset=len(decodes))
+            self.pool, slots, self._decode_groups(decodes), self._prefill_chunks(prefills, offset=len(decodes)),
+            backend=self.attention,
         )
         hidden = self.model.hidden_states(tokens[None], positions[None], attention)[0]
         ends = torch.tensor(_cumulative_ends(ordered), device=self.device)
@@ -53,10 +56,27 @@ class ModelRunner:
         if wanted:
             logits = self.model.logits(hidden[ends[wanted] - 1]).float()
             params = [ordered[i].seq.params for i in wanted]
-            generators = [self._generator(ordered[i]) for i in wanted]
+            generators = [self.generator(ordered[i]) for i in wanted]
             for i, token in zip(wanted, sample(logits, params, generators).tolist()):
                 sampled[id(ordered[i])] = token
         return [sampled.get(id(c)) for c in output.chunks]
+
+    @torch.inference_mode()
+    def verify(self, chunk: ScheduledChunk, draft: Draft, generator: torch.Generator | None) -> tuple[int, int]:
+        """Speculative decoding's check (chapter 12): run the target once over the sequence's
+        last token and the ``draft`` tokens, writing their keys and values into its blocks
+        (which must already hold ``num_tokens + len(draft)`` slots), and return
+        ``(n_accepted, next_token)`` by the acceptance rule. Slots past the accepted tokens hold
+        stale keys until the next step writes over them: the caller advances the computed
+        tokens only past what was accepted."""
+        seq = chunk.seq
+        span = ScheduledChunk(seq, seq.num_tokens - 1, 1 + len(draft))
+        (prefill,) = self._prefill_chunks([span], offset=0)
+        tokens = torch.tensor([seq.token_ids[-1], *draft.tokens], dtype=torch.long, device=self.device)
+        positions = torch.arange(span.start, span.start + span.num_tokens, device=self.device)
+        attention = PagedAttention(self.pool, prefill.slots[span.start :], [], [prefill], backend=self.attention)
+        hidden = self.model.hidden_states(tokens[None], positions[None], attention)[0]
+        return accept(self.model.logits(hidden).float(), draft, seq.params, generator)
 
     def _flatten(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         tokens: list[int] = []
@@ -84,7 +104,9 @@ class ModelRunner:
             tables = [c.seq.block_table[:width] for c in members]
             blocks = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
             mask = torch.arange(width * bs, device=self.device)[None, :] < lengths[:, None]
-            groups.append(DecodeGroup(start, start + len(members), width, blocks.flatten(), mask[:, None, None, :]))
+            groups.append(
+                DecodeGroup(start, start + len(members), width, blocks.flatten(), mask[:, None, None, :], lengths)
+            )
         return groups
 
     def _prefill_chunks(self, prefills: list[ScheduledChunk], offset: int) -> list[PrefillChunk]:
@@ -98,7 +120,8 @@ class ModelRunner:
             offset += c.num_tokens
         return chunks
 
-    def _generator(self, chunk: ScheduledChunk) -> torch.Generator | None:
+    def generator(self, chunk: ScheduledChunk) -> torch.Generator | None:
+        """The request's own random generator, made on its first sampled token."""
         rid = chunk.seq.request_id
         if rid not in self._generators:
             self._generators[rid] = make_generator(chunk.seq.params, self.device)
