@@ -133,6 +133,28 @@ def _sampled_groups(params: list[SamplingParams]) -> list[list[int]]:
     return [rows for rows in (plain, filtering) if rows]
 
 
+def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution ``sample`` draws from, as probabilities ``[n, vocab]`` in float32:
+    softmax at the request's temperature, cut to its top-k and nucleus and renormalised.
+
+    Speculative decoding's acceptance rule (chapter 12) needs the whole distribution, not one
+    draw, and it must be the one ``sample`` uses, or speculation would change what a request's
+    settings mean; so it lives here, beside the sampler, and shares its filter.
+    """
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if not params.filters:
+        return probs
+    vocab = probs.shape[-1]
+    if params.top_k is not None and params.top_k < vocab:  # the top k alone: far cheaper than a sort
+        ranked, order = torch.topk(probs, params.top_k, dim=-1)
+    else:
+        ranked, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    top_k = torch.tensor([[params.top_k or vocab]], device=probs.device)
+    top_p = torch.tensor([[params.top_p]], device=probs.device)
+    kept = torch.zeros_like(probs).scatter_(-1, order, _filter(ranked, top_k, top_p, vocab))
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
 def _sample_rows(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> torch.Tensor:

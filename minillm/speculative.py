@@ -32,7 +32,7 @@ import torch
 
 from minillm.generate import ContiguousKVCache, _check_prompt
 from minillm.model import GPT
-from minillm.sampling import SamplingParams, _filter
+from minillm.sampling import SamplingParams, distribution
 
 
 @dataclass
@@ -85,28 +85,6 @@ class SpeculativeStats:
         return {"target_passes": self.target_passes, "drafted": self.drafted, "accepted": self.accepted,
                 "generated": self.generated, "acceptance_rate": self.acceptance_rate,
                 "tokens_per_pass": self.tokens_per_pass}
-
-
-def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution ``sample`` draws from, as probabilities ``[n, vocab]`` in float32:
-    softmax at the request's temperature, cut to its top-k and nucleus and renormalised.
-
-    The acceptance rule needs the whole distribution, not one draw, and it must be the same
-    one the sampler uses, or speculation would change what a request's settings mean. The
-    filter itself is the sampler's, applied to the row ranked largest first.
-    """
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    if not params.filters:
-        return probs
-    vocab = probs.shape[-1]
-    if params.top_k is not None and params.top_k < vocab:  # the top k alone: far cheaper than a sort
-        ranked, order = torch.topk(probs, params.top_k, dim=-1)
-    else:
-        ranked, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    top_k = torch.tensor([[params.top_k or vocab]], device=probs.device)
-    top_p = torch.tensor([[params.top_p]], device=probs.device)
-    kept = torch.zeros_like(probs).scatter_(-1, order, _filter(ranked, top_k, top_p, vocab))
-    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
