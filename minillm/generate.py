@@ -17,6 +17,8 @@ greedy decoding they must produce the same tokens, which the tests check; the pa
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from minillm.model import GPT, KVCache, fused_attention
@@ -117,7 +119,11 @@ def _check_prompt(model: GPT, prompt: list[int], max_new_tokens: int, *, slide: 
 
 
 def _device(model: GPT) -> torch.device:
-    return model.tok_emb.weight.device
+    """Where the model lives, read from the token table's own storage: a quantized table
+    (chapter 11) keeps integers in buffers, and its ``.weight`` would rebuild the whole float
+    matrix just to say where it is, at every step of these loops."""
+    table = model.tok_emb
+    return next(itertools.chain(table.parameters(), table.buffers())).device
 
 
 @torch.no_grad()

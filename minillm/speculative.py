@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minillm.generate import ContiguousKVCache, _check_prompt
+from minillm.generate import ContiguousKVCache, _check_prompt, _device
 from minillm.model import GPT
 from minillm.sampling import SamplingParams, distribution
 
@@ -144,7 +144,7 @@ def verify_logits(target: GPT, cache: ContiguousKVCache, last_token: int, draft:
     vocab]``, in one forward over the cache: the single memory-bound pass that checks ``k``
     guesses. Their keys and values are appended to the cache; :func:`rollback` drops the
     rejected ones."""
-    device = target.tok_emb.weight.device
+    device = _device(target)
     tokens = torch.tensor([[last_token, *draft.tokens]], device=device)
     positions = torch.arange(cache.length, cache.length + tokens.shape[1], device=device)[None]
     return target(tokens, positions, cache)[0].float()

@@ -9,7 +9,7 @@ import torch
 
 from minillm.config import ModelConfig
 from minillm.engine import LLM, SamplingParams
-from minillm.generate import generate_kv_cache
+from minillm.generate import generate_kv_cache, generate_naive
 from minillm.model import GPT
 from minillm.quant import (
     FUSED_MAX_ROWS,
@@ -140,6 +140,20 @@ def test_a_quantized_model_stays_near_fp32(scheme: str) -> None:
     got = [generate_kv_cache(quantized, p, 12) for p in prompts()]
     agree = sum(a == b for x, y in zip(got, expected) for a, b in zip(x, y)) / sum(map(len, expected))
     assert agree >= min_agree
+
+
+def test_generating_never_rebuilds_the_quantized_tables_float_matrix(monkeypatch) -> None:
+    """``QuantEmbedding.weight`` dequantizes the whole table; the loops must not touch it at
+    every step just to learn the model's device (they once did). Sizing a KV cache reads it
+    once per call, for the dtype."""
+    quantized = cast_and_quantize(tiny_model(), torch.float32, "int4")
+    reads = []
+    rebuild = QuantEmbedding.weight.fget
+    monkeypatch.setattr(QuantEmbedding, "weight", property(lambda self: reads.append(1) or rebuild(self)))
+    generate_naive(quantized, prompts()[0], 6)
+    assert reads == []
+    generate_kv_cache(quantized, prompts()[0], 6)
+    assert len(reads) == 1
 
 
 def test_a_quantized_model_is_exactly_its_dequantized_twin() -> None:
