@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from minillm.checkpoint import CHECKPOINT_NAME, load_state, preset_dir, save_checkpoint
+from minillm.checkpoint import CHECKPOINT_NAME, load_model, load_state, preset_dir, save_checkpoint
 from minillm.config import ModelConfig, get_preset
 from minillm.data import BatchSampler, Corpus, prepare_corpus
 from minillm.generate import generate_naive
@@ -120,15 +120,21 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
 
 
 def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
-    """The dtype to autocast to, or None for plain fp32. ``auto``: bf16 on CPUs and on GPUs that
-    support it (both have fast bf16 matmuls), fp16 on older GPUs."""
+    """The dtype to autocast to, or None for plain fp32. ``auto``: bf16 on GPUs that support it
+    (fp16 on older ones) and on CPUs with bf16 matrix instructions (AVX-512 BF16 or AMX). A CPU
+    without them emulates bf16, some 30x slower than fp32, so it trains in fp32."""
     if cfg.dtype == "float32" or device.type == "mps":
         return None
     if cfg.dtype == "auto":
-        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            return torch.float16
-        return torch.bfloat16
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_bf16_matmul() else None
     return getattr(torch, cfg.dtype)
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (oneDNN then uses it)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -288,6 +294,20 @@ def train_step(runner, optimizer, scaler, amp, batches: list[tuple[torch.Tensor,
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return total
+
+
+def load_or_train(preset: str, device: str | torch.device | None = None) -> GPT:
+    """The newest trained model of a preset; trains it first (with a progress bar) if none exists.
+
+    Later chapters and the server start here, so a reader who skipped training still gets a
+    model, and one who trained gets theirs.
+    """
+    device = device or default_device()
+    path = preset_dir(preset) / CHECKPOINT_NAME
+    if not path.is_file():
+        print(f"No trained '{preset}' model in {path.parent}; training one now.", flush=True)
+        train(TrainConfig(preset=preset, out=str(path.parent)))
+    return load_model(path, device)
 
 
 def measure_throughput(
