@@ -241,3 +241,26 @@ def test_random_allocations_never_leak_or_double_book(num_blocks, block_size, ca
         alloc.free(seq)
     assert alloc.num_free_blocks == num_blocks
     check_blocks(alloc, [])
+
+
+def test_a_hash_collision_is_a_miss_not_a_share(monkeypatch):
+    """Every block hashing alike is the worst case a weak hash allows: a hit must still be
+    proven by the block's own tokens, so a different prompt never gets another's keys."""
+    from minillm.engine import block_allocator
+
+    monkeypatch.setattr(block_allocator, "chain_hash", lambda parent, tokens: b"collide")
+    alloc = BlockAllocator(num_blocks=16, block_size=4)
+    first = make_seq(list(range(12)), "first")
+    admit_and_compute(alloc, first)
+    assert alloc.match_prefix(make_seq([99, 98, 97, 96, 95, 94, 93, 92, 91], "other")) == []
+    assert alloc.match_prefix(make_seq([0, 1, 2, 3, 77, 77, 77, 77, 1], "half")) == first.block_table[:1]
+    assert alloc.match_prefix(make_seq(list(range(12)) + [5], "same")) == first.block_table[:1]  # level 2 collides
+
+
+def test_prefix_hashes_are_keyed_digests_that_depend_on_the_whole_prefix():
+    from minillm.engine.block_allocator import chain_hash
+
+    a = chain_hash(None, (1, 2, 3, 4))
+    assert isinstance(a, bytes) and len(a) == 16 and a != chain_hash(None, (1, 2, 3, 5))
+    assert chain_hash(a, (5, 6, 7, 8)) != chain_hash(chain_hash(None, (1, 2, 3, 5)), (5, 6, 7, 8))
+    assert a != hash((None, (1, 2, 3, 4))).to_bytes(8, "little", signed=True)  # not Python's unkeyed hash

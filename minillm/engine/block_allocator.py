@@ -12,9 +12,14 @@ and at most ``block_size - 1`` slots per sequence are ever wasted.
 
 Blocks can be shared. Each block has a reference count: the number of block tables that hold
 it. With prefix caching, a *full* block whose tokens are all computed gets a hash chained over
-the whole prefix, ``hash((parent_block_hash, tokens_of_this_block))``, so equal hashes mean
-equal tokens at equal positions, hence equal keys and values. A new sequence whose leading
-blocks hash to known blocks shares them (reference count + 1) instead of recomputing them.
+the whole prefix, ``H(parent_block_hash, tokens_of_this_block)``, so equal hashes mean equal
+tokens at equal positions, hence equal keys and values. A new sequence whose leading blocks
+hash to known blocks shares them (reference count + 1) instead of recomputing them.
+
+Sharing another request's keys and values on a wrong match would leak its text into this
+one's answer, so a match is proven, not assumed: ``H`` is BLAKE2b keyed with a secret drawn
+when the process starts (no prompt can be crafted to collide with a hash it cannot compute),
+and a hit is taken only if the cached block's own tokens and parent hash equal the sequence's.
 
 Why no block ever needs copy-on-write: only full, computed blocks are shared, and nobody writes
 to a full block again. A sequence only writes at positions ``>= num_computed_tokens``, which
@@ -27,18 +32,24 @@ reused (and their hash forgotten) only when the plain free list is empty.
 
 from __future__ import annotations
 
+import hashlib
+import os
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence as BlockIds
 
 from minillm.engine.sequence import Sequence
 
+_HASH_KEY = os.urandom(16)  # per process: prefix hashes are never shared outside it
 
-def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+
+def chain_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
     """The prefix-cache key of one full block: its tokens, and (through ``parent``) every
-    token before it. Python's 64-bit tuple hash is deterministic for integers within a process;
-    a collision would share wrong K/V, which at 2**-64 per pair we accept, as vLLM's default
-    does (vLLM offers SHA-256 where prompts may be adversarial)."""
-    return hash((parent, tokens))
+    token before it. A 128-bit keyed BLAKE2b digest: unlike Python's ``hash()``, nobody
+    without the key can search for two prompts that collide."""
+    digest = hashlib.blake2b(parent or b"", key=_HASH_KEY, digest_size=16)
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
 
 
 class BlockAllocator:
@@ -59,8 +70,9 @@ class BlockAllocator:
         self.ref_counts = [0] * num_blocks
         self.free_list: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()
-        self._hash_of: dict[int, int] = {}  # block -> its prefix hash (full, computed blocks)
-        self._cached: dict[int, int] = {}  # prefix hash -> the block that holds it
+        self._hash_of: dict[int, bytes] = {}  # block -> its prefix hash (full, computed blocks)
+        self._content: dict[int, tuple[bytes | None, tuple[int, ...]]] = {}  # block -> (parent hash, tokens)
+        self._cached: dict[bytes, int] = {}  # prefix hash -> the block that holds it
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -97,19 +109,22 @@ class BlockAllocator:
 
         At most ``(num_tokens - 1) // block_size`` blocks match, so at least one token is left
         to compute: the engine needs the logits of the last token to sample the next one, and
-        only running the model on it gives them.
+        only running the model on it gives them. A block whose hash matches but whose tokens
+        or parent do not (a collision) is a miss.
         """
         if not self.enable_prefix_caching:
             return []
         matched: list[int] = []
-        parent: int | None = None
+        parent: bytes | None = None
         bs = self.block_size
         for i in range((seq.num_tokens - 1) // bs):
-            parent = chain_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
-            block = self._cached.get(parent)
-            if block is None:
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            key = chain_hash(parent, tokens)
+            block = self._cached.get(key)
+            if block is None or self._content[block] != (parent, tokens):
                 break
             matched.append(block)
+            parent = key
         return matched
 
     # ------------------------------------------------------------------ allocation
@@ -145,11 +160,11 @@ class BlockAllocator:
         :meth:`can_allocate` first). A decode step needs one more block each time it crosses a
         block boundary, i.e. once every ``block_size`` tokens."""
         while len(seq.block_table) * self.block_size < num_tokens:
-            block = self._take_free_block()
+            block = self.take_free_block()
             self.ref_counts[block] = 1
             seq.block_table.append(block)
 
-    def _take_free_block(self) -> int:
+    def take_free_block(self) -> int:
         """A never-cached free block if there is one; otherwise evict the least recently used
         cached block, forgetting its hash so it can no longer be hit."""
         if self.free_list:
@@ -158,6 +173,7 @@ class BlockAllocator:
             raise RuntimeError("out of KV blocks: call can_allocate before allocating")
         block, _ = self.evictable.popitem(last=False)
         del self._cached[self._hash_of.pop(block)]
+        del self._content[block]
         return block
 
     # ------------------------------------------------------------------ caching and freeing
@@ -180,9 +196,11 @@ class BlockAllocator:
             start -= 1
         parent = self._hash_of[table[start - 1]] if start > 0 else None
         for i in range(start, end):
-            parent = chain_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
-            self._hash_of[table[i]] = parent
-            self._cached.setdefault(parent, table[i])
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            key = chain_hash(parent, tokens)
+            self._hash_of[table[i]], self._content[table[i]] = key, (parent, tokens)
+            self._cached.setdefault(key, table[i])
+            parent = key
 
     def free(self, seq: Sequence) -> None:
         """Give back every block of ``seq`` (its table becomes empty). A block still held by
@@ -195,13 +213,15 @@ class BlockAllocator:
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self._release(block)
+                self.release_block(block)
         seq.block_table = []
 
-    def _release(self, block: int) -> None:
+    def release_block(self, block: int) -> None:
+        """A block nobody holds any more: evictable if its content is cached, plain free otherwise."""
         h = self._hash_of.get(block)
         if h is not None and self._cached.setdefault(h, block) == block:
             self.evictable[block] = None
         else:
             self._hash_of.pop(block, None)
+            self._content.pop(block, None)
             self.free_list.append(block)
