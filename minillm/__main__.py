@@ -3,7 +3,7 @@ a trained ``cpu`` model, training it on first use, then show what it writes."""
 
 from __future__ import annotations
 
-from minillm.checkpoint import load_or_train
+from minillm.train import load_or_train
 from minillm.doctor import run_banner
 from minillm.train import sample
 

@@ -3,7 +3,9 @@
 A checkpoint is one ``torch.save`` file holding the model's weights and shape, the optimizer's
 state, the step reached, the training settings and the data they read, and the history of
 losses. It is written to a temporary file and renamed into place, so a run killed mid-write
-leaves the previous checkpoint intact, never half of a new one.
+leaves the previous checkpoint intact, never half of a new one. (Training one on first use is
+``minillm.train.load_or_train``: training writes checkpoints, so it imports this module, never
+the other way.)
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import torch
 
 from minillm.config import ModelConfig
 from minillm.model import GPT
-from minillm.settings import checkpoints_dir
+from minillm.settings import CHECKPOINT_NAME, preset_dir, resolve_checkpoint
 
-CHECKPOINT_NAME = "ckpt.pt"
+# Where checkpoints live is settings' business (the router reads it without torch); the
+# chapters find it here, beside the loading it serves.
+__all__ = ["CHECKPOINT_NAME", "load_model", "load_state", "model_from_state", "preset_dir", "save_checkpoint"]
 
 
 def save_checkpoint(path: str | Path, state: dict) -> Path:
@@ -33,18 +37,8 @@ def save_checkpoint(path: str | Path, state: dict) -> Path:
     return path
 
 
-def resolve(path: str | Path) -> Path:
-    """A checkpoint file, given the file itself or the directory ``--out`` wrote."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / CHECKPOINT_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    return path
-
-
 def load_state(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
-    return torch.load(resolve(path), map_location=map_location, weights_only=False)
+    return torch.load(resolve_checkpoint(path), map_location=map_location, weights_only=False)
 
 
 def model_from_state(state: dict, device: str | torch.device = "cpu") -> GPT:
@@ -56,25 +50,3 @@ def model_from_state(state: dict, device: str | torch.device = "cpu") -> GPT:
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> GPT:
     return model_from_state(load_state(path), device)
-
-
-def preset_dir(preset: str) -> Path:
-    """Where ``python -m minillm.train --preset NAME`` writes by default."""
-    return checkpoints_dir() / preset
-
-
-def load_or_train(preset: str, device: str | torch.device | None = None) -> GPT:
-    """The newest trained model of a preset; trains it first (with a progress bar) if none exists.
-
-    Later chapters and the server start here, so a reader who skipped training still gets a
-    model, and one who trained gets theirs.
-    """
-    from minillm.hardware import default_device
-    from minillm.train import TrainConfig, train
-
-    device = device or default_device()
-    path = preset_dir(preset) / CHECKPOINT_NAME
-    if not path.is_file():
-        print(f"No trained '{preset}' model in {path.parent}; training one now.", flush=True)
-        train(TrainConfig(preset=preset, out=str(path.parent)))
-    return load_model(path, device)

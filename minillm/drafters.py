@@ -35,7 +35,7 @@ class ModelDrafter:
         self.model = model.eval()
         self.context = model.cfg.context_length
         self.cache = ContiguousKVCache(model, 1, self.context)
-        self.device = model.tok_emb.weight.device
+        self.device = model.device
         self._held: list[int] = []  # the tokens whose keys and values the cache holds
 
     @torch.no_grad()

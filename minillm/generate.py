@@ -17,8 +17,6 @@ greedy decoding they must produce the same tokens, which the tests check; the pa
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from minillm.model import GPT, KVCache, fused_attention
@@ -46,12 +44,11 @@ class ContiguousKVCache:
         cfg = model.cfg
         if not 1 <= max_len <= cfg.context_length:
             raise ValueError(f"max_len must be in 1..{cfg.context_length} (the model's context), got {max_len}")
-        weight = model.tok_emb.weight
         shape = (cfg.n_layers, batch_size, cfg.n_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, device=weight.device, dtype=weight.dtype)
+        self.k = torch.zeros(shape, device=model.device, dtype=model.dtype)
         self.v = torch.zeros_like(self.k)
         self.n_layers, self.max_len, self.length = cfg.n_layers, max_len, 0
-        self.pad = None if not pad or not any(pad) else torch.tensor(pad, device=weight.device)
+        self.pad = None if not pad or not any(pad) else torch.tensor(pad, device=model.device)
 
     @property
     def nbytes(self) -> int:
@@ -106,7 +103,9 @@ def choose_token(
     return int(sample(logits[None], [params], [generator])[0])
 
 
-def _check_prompt(model: GPT, prompt: list[int], max_new_tokens: int, *, slide: bool) -> None:
+def check_prompt(model: GPT, prompt: list[int], max_new_tokens: int, *, slide: bool) -> None:
+    """A ``ValueError`` for a prompt these loops cannot continue: an empty one, a negative
+    length, or (unless the loop slides its window) one whose answer would outgrow the context."""
     if not prompt:
         raise ValueError("the prompt must hold at least one token (e.g. <|endoftext|>)")
     if max_new_tokens < 0:
@@ -116,14 +115,6 @@ def _check_prompt(model: GPT, prompt: list[int], max_new_tokens: int, *, slide: 
             f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
             f"context of {model.cfg.context_length} tokens"
         )
-
-
-def _device(model: GPT) -> torch.device:
-    """Where the model lives, read from the token table's own storage: a quantized table
-    (chapter 11) keeps integers in buffers, and its ``.weight`` would rebuild the whole float
-    matrix just to say where it is, at every step of these loops."""
-    table = model.tok_emb
-    return next(itertools.chain(table.parameters(), table.buffers())).device
 
 
 @torch.no_grad()
@@ -143,10 +134,10 @@ def generate_naive(
     position's logits. The window slides when the sequence outgrows the model's context.
     Generation stops after ``stop_token``.
     """
-    _check_prompt(model, prompt, max_new_tokens, slide=True)
+    check_prompt(model, prompt, max_new_tokens, slide=True)
     ids, new = list(prompt), []
     for _ in range(max_new_tokens):
-        window = torch.tensor([ids[-model.cfg.context_length :]], device=_device(model))
+        window = torch.tensor([ids[-model.cfg.context_length :]], device=model.device)
         token = choose_token(last_logits(model, window)[0], temperature, top_k, generator)
         ids.append(token)
         new.append(token)
@@ -171,10 +162,10 @@ def generate_kv_cache(
     The cache is reserved for ``len(prompt) + max_new_tokens`` positions, which must fit the
     model's context (the cache cannot slide: its keys were computed at their positions).
     """
-    _check_prompt(model, prompt, max_new_tokens, slide=False)
+    check_prompt(model, prompt, max_new_tokens, slide=False)
     if max_new_tokens == 0:
         return []
-    device = _device(model)
+    device = model.device
     cache = ContiguousKVCache(model, 1, len(prompt) + max_new_tokens)
     logits = last_logits(model, torch.tensor([prompt], device=device), cache=cache)[0]
     new: list[int] = []
@@ -210,8 +201,8 @@ def generate_static_batch(
     if len(limits) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(limits)} max_new_tokens")
     for prompt, limit in zip(prompts, limits):
-        _check_prompt(model, prompt, limit, slide=False)
-    device = _device(model)
+        check_prompt(model, prompt, limit, slide=False)
+    device = model.device
     longest, steps = max(map(len, prompts)), max(limits)
     if steps == 0:
         return [[] for _ in prompts]

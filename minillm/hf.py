@@ -70,7 +70,7 @@ def export_hf(model: GPT, directory: str | Path) -> Path:
         for name, hf, t in _name_map(model.cfg.n_layers)
     }
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    config = hf_config(model.cfg, model.tok_emb.weight.dtype)
+    config = hf_config(model.cfg, model.dtype)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return directory
 

@@ -111,13 +111,23 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class TokenEmbedding(nn.Embedding):
+    """The token table, used twice: rows looked up on the way in, and (tied) the output matrix
+    on the way out, which is :meth:`project`. A quantized table (``minillm.quant``) keeps the
+    same two-method contract over packed integers."""
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vectors ``[..., d_model]`` to vocabulary scores ``[..., vocab]``."""
+        return F.linear(hidden, self.weight)
+
+
 class GPT(nn.Module):
     """The whole model. ``model(tokens)`` gives logits ``[batch, time, vocab]``."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.tok_emb = TokenEmbedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.context_length, cfg.d_model)
         self.dropout = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
@@ -136,6 +146,17 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model lives. Read from the position table, which stays a float matrix
+        even in a quantized model (whose token table holds packed integers)."""
+        return self.pos_emb.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype, and so the KV cache's."""
+        return self.pos_emb.weight.dtype
+
     def set_attention(self, impl: str) -> "GPT":
         """Choose ``"sdpa"`` (fused, the default) or ``"explicit"`` (readable) attention."""
         if impl not in ATTENTION:
@@ -150,30 +171,38 @@ class GPT(nn.Module):
         """The final normalised vectors ``[batch, time, d_model]``, before the output matrix.
 
         ``positions`` defaults to ``0 .. time-1``; a cache passes the true positions of the new
-        tokens (e.g. ``[[17]]`` for the 18th token of a sequence).
+        tokens (e.g. ``[[17]]`` for the 18th token of a sequence). Given positions are trusted:
+        reading their largest value would make a GPU wait for the queue to drain, at every
+        step, so they are checked where they are made (the engine's from sequences that never
+        outgrow the context; :meth:`forward` checks its caller's).
         """
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, time], got shape {tuple(tokens.shape)}")
         if positions is None:
+            if tokens.shape[1] > self.cfg.context_length:
+                raise ValueError(f"{tokens.shape[1]} tokens are beyond the model's context of {self.cfg.context_length}")
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        if positions.numel() and int(positions.max()) >= self.cfg.context_length:
-            raise ValueError(
-                f"position {int(positions.max())} is beyond the model's context of {self.cfg.context_length} tokens"
-            )
         x = self.dropout(self.tok_emb(tokens) + self.pos_emb(positions))
         for block in self.blocks:
             x = block(x, cache)
         return self.ln_f(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vectors to vocabulary scores through the tied token embedding. A quantized embedding
-        (``minillm.quant``) holds packed integers, not a float matrix, so it does the multiply."""
-        project = getattr(self.tok_emb, "project", None)
-        return project(hidden) if project is not None else F.linear(hidden, self.tok_emb.weight)
+        """Vectors to vocabulary scores through the tied token embedding."""
+        return self.tok_emb.project(hidden)
+
+    def check_positions(self, positions: torch.Tensor) -> None:
+        """A ``ValueError`` for a position with no row in the position table (one host sync)."""
+        if positions.numel() and int(positions.max()) >= self.cfg.context_length:
+            raise ValueError(
+                f"position {int(positions.max())} is beyond the model's context of {self.cfg.context_length} tokens"
+            )
 
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None
     ) -> torch.Tensor:
+        if positions is not None:
+            self.check_positions(positions)
         return self.logits(self.hidden_states(tokens, positions, cache))
 
 

@@ -38,17 +38,17 @@ Public API (the chapter uses these):
   the ``calls``, ``bytes`` and ``seconds`` of its communication (``reset()`` to restart).
 - :func:`rendezvous` and :func:`make_group`: a gloo (CPU) or NCCL (CUDA) group of one's own.
 
-From :mod:`minillm.parallel_engine` and :mod:`minillm.parallel_measure`, re-exported here:
+Built on these, in modules of their own that import this one (never the other way):
 
-- :class:`TensorParallelGPT` (model, N): rank 0 in this process, N - 1 worker processes;
+- :class:`minillm.parallel_engine.TensorParallelGPT` (model, N): rank 0 in this process, N - 1 worker processes;
   used as a ``GPT`` (``generate_kv_cache(tp, ...)``, ``LLMEngine(tp)``); ``close()`` or
   ``with``. ``LLM(..., tensor_parallel_size=N)`` and ``python -m server
   --tensor-parallel-size N`` build one.
-- :func:`check_equivalence` (model, prompts, N=2, max_new_tokens=20) -> :class:`Equivalence`:
+- :func:`minillm.parallel_measure.check_equivalence` (model, prompts, N=2, max_new_tokens=20) -> :class:`Equivalence`:
   ``max_abs_logit_diff`` vs the unsplit model, greedy ``reference_tokens``,
   ``parallel_tokens`` (contiguous KV cache) and ``engine_tokens`` (paged engine), and
   ``tokens_identical``.
-- :func:`measure_decode_step` (model, N=2, batches=(1, 8), context=128, steps=20, threads=1)
+- :func:`minillm.parallel_measure.measure_decode_step` (model, N=2, batches=(1, 8), context=128, steps=20, threads=1)
   -> one dict per batch size: ``batch``, ``single_ms``, ``tp_ms``, ``allreduce_ms``,
   ``compute_ms``, ``allreduce_share``, ``allreduces_per_step``, ``allreduce_us_each``
   (medians per decode step, gloo on CPU processes).
@@ -66,7 +66,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minillm.config import ModelConfig
-from minillm.model import GPT, MLP, Block, CausalSelfAttention
+from minillm.model import GPT, MLP, Block, CausalSelfAttention, TokenEmbedding
 
 
 def check_tensor_parallel_size(cfg: ModelConfig, world_size: int) -> None:
@@ -86,7 +86,7 @@ def check_splittable(model: GPT) -> None:
     """Sharding slices ``nn.Linear`` and ``nn.Embedding`` weights; a model whose layers were
     replaced (quantized, chapter 11) is refused with the flag to change."""
     layers = [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.fc, b.mlp.proj)]
-    if not all(type(m) is nn.Linear for m in layers) or type(model.tok_emb) is not nn.Embedding:
+    if not all(type(m) is nn.Linear for m in layers) or type(model.tok_emb) is not TokenEmbedding:
         raise ValueError(
             "tensor_parallel_size (--tensor-parallel-size) > 1 splits a float model's weights; "
             "this model's layers are quantized (--quantize): use one or the other"
@@ -286,13 +286,16 @@ class ShardedGPT(nn.Module):
         self.full_cfg, self.cfg = cfg, shard_config(cfg, world_size)
         self.rank, self.world_size = rank, world_size
         self.allreduce = AllReduce(group)
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.tok_emb = TokenEmbedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.context_length, cfg.d_model)
         self.dropout = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(ParallelBlock(cfg, i, world_size, self.allreduce) for i in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
 
+    device = GPT.device
+    dtype = GPT.dtype
     set_attention = GPT.set_attention
+    check_positions = GPT.check_positions
     hidden_states = GPT.hidden_states
     logits = GPT.logits
     forward = GPT.forward
@@ -302,8 +305,7 @@ def shard_gpt(model: GPT, rank: int, world_size: int, group: dist.ProcessGroup |
     """Rank ``rank``'s :class:`ShardedGPT` of a trained ``model``, on its device and in its
     dtype, in eval mode, with its attention implementation."""
     check_splittable(model)
-    weight = model.tok_emb.weight
-    shard = ShardedGPT(model.cfg, rank, world_size, group).to(device=weight.device, dtype=weight.dtype)
+    shard = ShardedGPT(model.cfg, rank, world_size, group).to(device=model.device, dtype=model.dtype)
     shard.load_state_dict(shard_state_dict(model.state_dict(), model.cfg, rank, world_size))
     return shard.set_attention(model.blocks[0].attn.impl).eval()
 
@@ -329,18 +331,3 @@ def make_group(
     if backend == "nccl":
         return dist.ProcessGroupNCCL(store, rank, world_size), store
     raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-
-
-def __getattr__(name: str):
-    """The process-spawning half lives in :mod:`minillm.parallel_engine` and
-    :mod:`minillm.parallel_measure` (they import this module); their public names are
-    reachable from here too."""
-    if name == "TensorParallelGPT":
-        from minillm import parallel_engine
-
-        return parallel_engine.TensorParallelGPT
-    if name in ("Equivalence", "check_equivalence", "measure_decode_step"):
-        from minillm import parallel_measure
-
-        return getattr(parallel_measure, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

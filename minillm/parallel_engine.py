@@ -98,8 +98,7 @@ class _WorkerCaches:
         if kind == "paged":
             num_blocks, block_size, slots, decodes, prefills = rest
             if self.pool is None or (self.pool.num_blocks, self.pool.block_size) != (num_blocks, block_size):
-                weight = self.shard.tok_emb.weight
-                self.pool = PagedKVPool(self.shard.cfg, num_blocks, block_size, weight.device, weight.dtype)
+                self.pool = PagedKVPool(self.shard.cfg, num_blocks, block_size, self.shard.device, self.shard.dtype)
             return PagedAttention(self.pool, slots, decodes, prefills)
         key, batch, max_len, pad = rest
         if self.contiguous is None or self.contiguous[0] != key:
@@ -156,7 +155,7 @@ class TensorParallelGPT:
     """A ``GPT`` split over ``world_size`` processes, used from rank 0 as if it were a ``GPT``.
 
     ``hidden_states``, ``logits``, ``forward``, ``cfg`` (this rank's slice, so caches hold
-    only its heads), ``tok_emb`` and ``set_attention`` are what the engine, the model runner
+    only its heads), ``device``, ``dtype`` and ``set_attention`` are what the engine, the model runner
     and ``generate_kv_cache`` use. The workers run on the model's device type (one GPU each
     on CUDA, with NCCL; gloo on CPU) with ``threads`` CPU threads each. Call :meth:`close`
     (or use ``with``) to stop them; they also stop when this object is garbage collected or
@@ -166,8 +165,7 @@ class TensorParallelGPT:
     def __init__(self, model: GPT, world_size: int, *, threads: int | None = None) -> None:
         check_tensor_parallel_size(model.cfg, world_size)
         check_splittable(model)
-        weight = model.tok_emb.weight
-        device = weight.device
+        device = model.device
         if device.type == "cuda" and torch.cuda.device_count() < world_size:
             raise ValueError(
                 f"tensor_parallel_size (--tensor-parallel-size) {world_size} needs {world_size} GPUs; "
@@ -222,8 +220,12 @@ class TensorParallelGPT:
         return self.shard.cfg
 
     @property
-    def tok_emb(self) -> torch.nn.Embedding:
-        return self.shard.tok_emb
+    def device(self) -> torch.device:
+        return self.shard.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.shard.dtype
 
     def eval(self) -> TensorParallelGPT:
         """Shards are always in eval mode; here so the engine can call it as on a ``GPT``."""
@@ -248,6 +250,8 @@ class TensorParallelGPT:
     def __call__(
         self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None
     ) -> torch.Tensor:
+        if positions is not None:  # here, before any rank is told to run
+            self.shard.check_positions(positions)
         return self.logits(self.hidden_states(tokens, positions, cache))
 
     def _send(self, message: tuple) -> None:

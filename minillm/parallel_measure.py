@@ -50,7 +50,7 @@ def check_equivalence(
     through the paged engine, all against the unsplit model's greedy tokens."""
     tokenizer = get_tokenizer()
     ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-    device = model.tok_emb.weight.device
+    device = model.device
     model.eval()
     with TensorParallelGPT(model, world_size) as tp, torch.inference_mode():
         diff = 0.0
@@ -59,7 +59,8 @@ def check_equivalence(
             diff = max(diff, (tp(x).float() - model(x).float()).abs().max().item())
         reference = [generate_kv_cache(model, p, max_new_tokens) for p in ids]
         parallel = [generate_kv_cache(tp, p, max_new_tokens) for p in ids]
-        config = EngineConfig(num_blocks=sum((len(p) + max_new_tokens) // 16 + 1 for p in ids))  # all fit at once
+        blocks = sum((len(p) + max_new_tokens) // 16 + 1 for p in ids)  # all fit at once
+        config = EngineConfig(num_blocks=blocks, tensor_parallel_size=world_size)
         engine = LLMEngine(tp, config, tokenizer)  # type: ignore[arg-type]
         params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
         seqs = [engine.add_request(str(i), p, params) for i, p in enumerate(ids)]

@@ -288,18 +288,15 @@ class QuantLinear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """The tied token embedding, quantized once and used twice: ``forward`` looks token rows up
-    (dequantizing only those rows) and ``project`` is the output matrix's multiply, which
-    ``GPT.logits`` calls. ``weight`` rebuilds the float matrix for code that asks for one (its
-    dtype and device tell the engine what the KV cache should be)."""
+    """The tied token embedding, quantized once and used twice, with the contract of
+    ``minillm.model.TokenEmbedding``: ``forward`` looks token rows up (dequantizing only those
+    rows) and ``project`` is the output matrix's multiply, which ``GPT.logits`` calls. It has
+    no float ``weight``: code that wants the whole float matrix asks for
+    ``table.dequantized_weight()``, and pays for it knowingly."""
 
     def __init__(self, table: QuantLinear) -> None:
         super().__init__()
         self.table = table
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.table.dequantized_weight()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.table.weight_rows(tokens.reshape(-1)).view(*tokens.shape, self.table.in_features)

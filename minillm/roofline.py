@@ -164,7 +164,7 @@ def time_decode_step(model: GPT, batch: int, context: int, repeats: int = 5) -> 
     """Median seconds of one real decode step of ``model``: ``batch`` new tokens at position
     ``context`` over a contiguous KV cache holding ``context`` tokens each. The cache's keys are
     zeros, which costs the same to read as real ones."""
-    device = model.tok_emb.weight.device
+    device = model.device
     cache = ContiguousKVCache(model, batch, context + 1)
     tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
     positions = torch.full((batch, 1), context, device=device)
@@ -182,7 +182,7 @@ def measure_decode(
     """Time ``model``'s decode step at each batch size and pair it with the prediction for
     ``spec`` (in the model's own dtype)."""
     repeats = repeats or (3 if quick() else 7)
-    dtype = dtype_name(model.tok_emb.weight.dtype)
+    dtype = dtype_name(model.dtype)
     return [replace(predict_decode(model.cfg, spec, dtype, b, context),
                     measured_seconds=time_decode_step(model, b, context, repeats)) for b in batches]
 

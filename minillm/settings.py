@@ -54,3 +54,21 @@ def checkpoints_dir() -> Path:
     path = home() / "checkpoints" / ("quick" if quick() else "")
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+CHECKPOINT_NAME = "ckpt.pt"
+
+
+def preset_dir(preset: str) -> Path:
+    """Where ``python -m minillm.train --preset NAME`` writes by default."""
+    return checkpoints_dir() / preset
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint file, given the file itself or the directory ``--out`` wrote."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / CHECKPOINT_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    return path

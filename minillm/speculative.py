@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minillm.generate import ContiguousKVCache, _check_prompt, _device
+from minillm.generate import ContiguousKVCache, check_prompt
 from minillm.model import GPT
 from minillm.sampling import SamplingParams, distribution
 
@@ -144,7 +144,7 @@ def verify_logits(target: GPT, cache: ContiguousKVCache, last_token: int, draft:
     vocab]``, in one forward over the cache: the single memory-bound pass that checks ``k``
     guesses. Their keys and values are appended to the cache; :func:`rollback` drops the
     rejected ones."""
-    device = _device(target)
+    device = target.device
     tokens = torch.tensor([[last_token, *draft.tokens]], device=device)
     positions = torch.arange(cache.length, cache.length + tokens.shape[1], device=device)[None]
     return target(tokens, positions, cache)[0].float()
@@ -181,7 +181,7 @@ def generate_speculative(
     and rolls the cache back past the rest. Greedy output equals the target's alone, token for
     token; sampled output has the target's distribution.
     """
-    _check_prompt(target, prompt, max_new_tokens, slide=False)
+    check_prompt(target, prompt, max_new_tokens, slide=False)
     if num_speculative_tokens < 0:
         raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
     params = SamplingParams(max_tokens=max(max_new_tokens, 1), temperature=temperature, top_k=top_k)
@@ -190,7 +190,7 @@ def generate_speculative(
         return SpeculativeOutput(new, stats)
     cache = ContiguousKVCache(target, 1, len(prompt) + max_new_tokens)
     if len(prompt) > 1:  # prefill all but the last token, which every round feeds first
-        target.hidden_states(torch.tensor([prompt[:-1]], device=target.tok_emb.weight.device), cache=cache)
+        target.hidden_states(torch.tensor([prompt[:-1]], device=target.device), cache=cache)
     while len(new) < max_new_tokens:
         k = min(num_speculative_tokens, max_new_tokens - len(new) - 1)
         draft = drafter.propose(tokens, k, params, generator) if k > 0 else Draft()

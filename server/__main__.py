@@ -14,47 +14,34 @@ import logging
 import signal
 from typing import Callable, Sequence
 
-import torch
 from aiohttp import web
 
-from minillm.checkpoint import load_model, load_or_train
 from minillm.cli import UsageError, run
-from minillm.engine.llm import resolve_dtype
+from minillm.engine.build import EngineOptionError, build_engine, check_device
 from minillm.engine.llm_engine import LLMEngine
-from minillm.engine.speculator import Speculator, build_speculator
 from minillm.hardware import default_device
-from minillm.model import GPT
-from minillm.parallel import check_tensor_parallel_size
-from minillm.quant import cast_and_quantize
 from minillm.tokenizer import get_tokenizer
+from minillm.train import load_or_train
 from server.app import create_app
 from server.config import ServerConfig, parse_args
 
 log = logging.getLogger("server")
 
 
-def load(config: ServerConfig) -> GPT:
-    """The model to serve: ``--checkpoint``, or the newest ``cpu`` preset (trained on first use),
-    on ``--device`` in ``--dtype``, quantized if ``--quantize`` says so."""
+def build(config: ServerConfig) -> LLMEngine:
+    """The engine to serve: ``--checkpoint``, or the newest ``cpu`` preset (trained on first
+    use), on ``--device``, cast, quantized, split and drafting as the flags say. A problem
+    is a ``UsageError`` naming the flag."""
     try:
-        device = torch.device(config.device) if config.device else default_device()
-        torch.empty(1, device=device)
-    except (RuntimeError, AssertionError) as err:
-        raise UsageError(f"--device {config.device}: {str(err).splitlines()[0]}") from None
-    try:
-        model = load_model(config.checkpoint, device) if config.checkpoint else load_or_train("cpu", device)
-    except FileNotFoundError as err:
-        raise UsageError(f"--checkpoint: {err}") from None
-    return cast_and_quantize(model, resolve_dtype(config.dtype), config.quantize)
-
-
-def load_speculator(config: ServerConfig, model: GPT) -> Speculator | None:
-    """``--speculative-draft``: a draft model's checkpoint (on the target's device and dtype),
-    ``ngram`` for prompt lookup, or nothing."""
-    try:
-        return build_speculator(config.speculative_draft, model, config.num_speculative_tokens)
-    except (FileNotFoundError, ValueError) as err:
-        raise UsageError(f"--speculative-draft: {err}") from None
+        device = check_device(config.device) if config.device else default_device()
+        model = config.checkpoint or load_or_train("cpu", device)
+        return build_engine(model, config.engine_config(), device=device, dtype=config.dtype,
+                            quantize=config.quantize, speculative_draft=config.speculative_draft,
+                            num_speculative_tokens=config.num_speculative_tokens, tokenizer=get_tokenizer())
+    except EngineOptionError as err:
+        raise UsageError(f"--{err.option.replace('_', '-')}: {err.message}") from None
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def banner(config: ServerConfig, port: int) -> str:
@@ -120,12 +107,7 @@ async def _serve_until_signalled(app: web.Application, config: ServerConfig) -> 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model = load(config)
-    try:
-        check_tensor_parallel_size(model.cfg, config.tensor_parallel_size)
-        engine = LLMEngine(model, config.engine_config(), get_tokenizer(), load_speculator(config, model))
-    except ValueError as err:
-        raise UsageError(str(err)) from None
+    engine = build(config)
     try:
         asyncio.run(_serve_until_signalled(create_app(engine, config), config))
     finally:

@@ -33,8 +33,8 @@ from server.config import ServerConfig
 from server.dashboard import add_dashboard
 from server.engine_loop import AsyncEngine, EngineFailure, Event, QueueFull, Rejected, RequestStream, ShuttingDown
 from server.metrics import CONTENT_TYPE, Metrics
-from server.protocol import (GenerationRequest, ModelCard, OpenAIError, Responses, invalid, models_list,
-                             parse_chat, parse_completion, sse, usage)
+from server.protocol import GenerationRequest, ModelCard, Responses, models_list, parse_chat, parse_completion, usage
+from server.wire import OpenAIError, invalid, sse
 
 access_log = logging.getLogger("server.access")
 log = logging.getLogger("server")
@@ -65,13 +65,13 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> web.Application:
     async_engine = AsyncEngine(engine, config.max_queue)
     card = ModelCard(config.served_model_name, engine.model.cfg.context_length, engine.model.cfg.vocab_size)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[errors, auth])
-    app[STATE] = State(async_engine, Metrics(async_engine), card, engine.tokenizer, config.api_key)
+    app[STATE] = state = State(async_engine, Metrics(async_engine), card, engine.tokenizer, config.api_key)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
-    add_dashboard(app, app[STATE])  # GET /, its event stream and the traffic panel (chapter 10)
+    add_dashboard(app, async_engine, state.metrics, card.max_model_len, locked=config.api_key is not None)  # chapter 10
     app.on_startup.append(_start_engine)
     app.on_shutdown.append(_stop_accepting)
     app.on_cleanup.append(_stop_engine)
@@ -261,7 +261,7 @@ async def _tracked(stream: RequestStream, record: AccessRecord, metrics: Metrics
             if out.finished:
                 record.completion_tokens += out.completion_tokens
                 record.reasons.append(out.finish_reason or "")
-                metrics.choice_finished(out.finish_reason or "", event.times)
+                metrics.choice_finished(out.finish_reason or "", out.times)
             yield event
     except ENGINE_ERRORS as err:
         raise as_openai_error(err) from None

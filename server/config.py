@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from minillm.cli import ArgumentParser, UsageError
-from minillm.engine.kv_cache import parse_memory
-from minillm.engine.llm import resolve_dtype
 from minillm.engine.llm_engine import EngineConfig
 from minillm.quant import check_scheme
-
-ENV_PREFIX = "MINILLM_"
-LOG_LEVELS = ("debug", "info", "warning", "error")
+from minillm.units import parse_memory, resolve_dtype
+from server.flags import LOG_LEVELS, add_env_flags, dataclass_defaults, env_name
 
 
 @dataclass
@@ -131,8 +128,9 @@ FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     ("--shutdown-grace", float, "seconds in-flight requests may finish after SIGTERM"),
     ("--tensor-parallel-size", int, "split the model over N processes (N must divide its attention heads; "
                                     "one GPU each on CUDA)"),
-    ("--attention", str.lower, "torch | triton (chapter 13's kernels: a CUDA GPU and `pip install -e .[triton]`; "
-                               "on a CPU Triton's interpreter, exact but very slow)"),
+    ("--attention", str.lower, "torch | torch-loop (chapter 8's one-sequence-at-a-time decode) | triton "
+                               "(chapter 13's kernels: a CUDA GPU and `pip install -e .[triton]`; on a CPU "
+                               "Triton's interpreter, exact but very slow)"),
     ("--speculative-draft", str, "speculative decoding (chapter 12): a draft model's checkpoint, or `ngram` for "
                                  "prompt lookup; it runs on steps that decode a single request, while batched "
                                  "steps decode one token per request as usual"),
@@ -140,31 +138,6 @@ FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     ("--quantize", _scheme, "int8 | int4: weight-only quantization of the model's matrices (chapter 11); "
                             "activations are then bf16 unless --dtype says otherwise"),
 ]
-
-
-def env_name(flag: str, prefix: str = ENV_PREFIX) -> str:
-    """``--max-queue`` -> ``MINILLM_MAX_QUEUE``."""
-    return prefix + flag.lstrip("-").replace("-", "_").upper()
-
-
-def dataclass_defaults(cls: type) -> dict[str, object]:
-    """A settings dataclass's field defaults, without building one (its checks may need input)."""
-    return {f.name: f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-            for f in fields(cls) if f.default is not MISSING or f.default_factory is not MISSING}
-
-
-def add_env_flags(parser: argparse.ArgumentParser, flags: list[tuple[str, Callable[[str], object], str]],
-                  defaults: dict[str, object], environ: Mapping[str, str], prefix: str = ENV_PREFIX,
-                  choices: Mapping[str, Sequence[str]] | None = None) -> None:
-    """Add ``(flag, type, help)`` flags whose defaults come from ``defaults``, or from the
-    environment variable ``env_name(flag, prefix)`` when it is set. The variable's value becomes
-    the default as a string, so argparse converts and checks it exactly as it would the flag."""
-    for flag, kind, text in flags:
-        dest = flag.lstrip("-").replace("-", "_")
-        variable = env_name(flag, prefix)
-        shown = "" if defaults[dest] is None else "; default: %(default)s"  # never echo a key
-        parser.add_argument(flag, type=kind, default=environ.get(variable, defaults[dest]),
-                            choices=(choices or {}).get(flag), help=f"{text} [env {variable}{shown}]")
 
 
 def build_parser(environ: Mapping[str, str] | None = None) -> ArgumentParser:

@@ -32,17 +32,17 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 from aiohttp import web
 from prometheus_client import Histogram
 
+from server.engine_loop import AsyncEngine
 from server.loadgen_client import LoadRun, LoadSpec
 from server.loadgen_stats import Summary
-from server.protocol import OpenAIError, invalid, sse
+from server.metrics import Metrics
+from server.wire import OpenAIError, invalid, sse
 
-if TYPE_CHECKING:
-    from server.app import State
 
 STATIC = Path(__file__).resolve().parent / "static"
 TICK_S = 0.5
@@ -92,9 +92,9 @@ class Counters:
 class StatsFeed:
     """Samples the server every ``TICK_S`` and hands each snapshot to every open page."""
 
-    def __init__(self, state: State, traffic: Callable[[], dict]) -> None:
-        self._engine, self._metrics, self._traffic = state.engine, state.metrics, traffic
-        self._bounds = {"ttft": buckets(state.metrics.ttft)[0], "itl": buckets(state.metrics.itl)[0]}
+    def __init__(self, engine: AsyncEngine, metrics: Metrics, traffic: Callable[[], dict]) -> None:
+        self._engine, self._metrics, self._traffic = engine, metrics, traffic
+        self._bounds = {"ttft": buckets(metrics.ttft)[0], "itl": buckets(metrics.itl)[0]}
         self._counters: deque[Counters] = deque(maxlen=int(LATENCY_WINDOW_S / TICK_S) + 1)
         self.history: deque[dict] = deque(maxlen=HISTORY)
         self._ticks = 0
@@ -258,11 +258,13 @@ class Dashboard:
 DASHBOARD = web.AppKey("dashboard", Dashboard)
 
 
-def add_dashboard(app: web.Application, state: State) -> None:
-    """Mount the page, its static files, the event stream and the traffic endpoints."""
-    traffic = Traffic(state.card.max_model_len)
-    feed = StatsFeed(state, traffic.status)
-    app[DASHBOARD] = Dashboard(feed, traffic, state.api_key is not None)
+def add_dashboard(app: web.Application, engine: AsyncEngine, metrics: Metrics, max_model_len: int, *,
+                  locked: bool) -> None:
+    """Mount the page, its static files, the event stream and the traffic endpoints
+    (``locked``: the server wants an API key, so the traffic panel takes no anonymous runs)."""
+    traffic = Traffic(max_model_len)
+    feed = StatsFeed(engine, metrics, traffic.status)
+    app[DASHBOARD] = Dashboard(feed, traffic, locked)
     app.router.add_get("/", index)
     app.router.add_static("/dashboard/static", STATIC)
     app.router.add_get("/dashboard/events", events)

@@ -18,9 +18,10 @@ their blocks return to the pool); the loop goes on with everyone else.
 
 Timing: every timestamp is ``time.monotonic()``. The server stamps a request's arrival when
 its handler starts and passes it to ``add_request``; the engine's ``Sequence`` stamps when it
-was first scheduled, each token, and the finish, on the same clock. :class:`RequestTimes`
-carries those stamps back, so queue time, TTFT and inter-token latency are server-side
-figures measured where the engine produced the token, before the hop to the socket.
+was first scheduled, each token, and the finish, on the same clock. A request's last
+``RequestOutput`` carries those stamps back (``times``), so queue time, TTFT and inter-token
+latency are server-side figures measured where the engine produced the token, before the hop
+to the socket, and the server holds no reference into the engine's own objects.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from minillm.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
-from minillm.engine.sequence import Sequence
 from minillm.sampling import SamplingParams
 
 log = logging.getLogger("server.engine")
@@ -56,45 +56,12 @@ class EngineFailure(Exception):
     """The engine failed while working on this request (HTTP 500)."""
 
 
-@dataclass(frozen=True)
-class RequestTimes:
-    """A finished request's timestamps (``time.monotonic()`` seconds), from its ``Sequence``."""
-
-    arrival: float
-    first_scheduled: float
-    first_token: float
-    finish: float
-    token_times: tuple[float, ...]
-
-    @classmethod
-    def of(cls, seq: Sequence) -> RequestTimes:
-        return cls(seq.arrival_time, seq.first_scheduled_time or seq.arrival_time,
-                   seq.first_token_time or seq.arrival_time, seq.finish_time or seq.arrival_time,
-                   tuple(seq.token_times))
-
-    @property
-    def queue_time(self) -> float:
-        return self.first_scheduled - self.arrival
-
-    @property
-    def ttft(self) -> float:
-        return self.first_token - self.arrival
-
-    @property
-    def e2e(self) -> float:
-        return self.finish - self.arrival
-
-    def inter_token_latencies(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
-
-
 @dataclass
 class Event:
-    """One step's output for choice ``index`` of a request; ``times`` is set on its last one."""
+    """One step's output for choice ``index`` of a request."""
 
     index: int
     output: RequestOutput
-    times: RequestTimes | None = None
 
 
 @dataclass
@@ -174,8 +141,7 @@ class AsyncEngine:
         self._stats_changed: asyncio.Future | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[RequestStream, int]] = {}  # event-loop side only
-        self._seqs: dict[str, Sequence] = {}  # engine-thread side only
-        self._outbox: list[tuple[str, RequestOutput | Exception, RequestTimes | None]] = []
+        self._outbox: list[tuple[str, RequestOutput | Exception]] = []  # engine-thread side only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._crashed = False
@@ -185,7 +151,7 @@ class AsyncEngine:
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will read the outputs."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="minillm-engine", daemon=True)
         self._thread.start()
 
     @property
@@ -231,16 +197,16 @@ class AsyncEngine:
             self._inbox.put(_STOP)
             await asyncio.to_thread(self._thread.join)
 
-    def _deliver(self, items: list, stats: EngineStats) -> None:
+    def deliver(self, items: list, stats: EngineStats) -> None:
         """On the event loop: route each output or error to the stream waiting for it."""
         self.stats = stats
         if self._stats_changed is not None:
             self._stats_changed.set_result(None)
             self._stats_changed = None
-        for rid, item, times in items:
+        for rid, item in items:
             stream, index = self._streams.get(rid, (None, 0))
             if stream is not None:
-                stream.put(item if isinstance(item, Exception) else Event(index, item, times))
+                stream.put(item if isinstance(item, Exception) else Event(index, item))
 
     def _fail_everyone(self) -> None:
         for stream, _ in list(self._streams.values()):
@@ -248,19 +214,21 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ engine-thread side
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """The engine thread's whole life (``start`` runs it): apply the inbox, step, publish,
+        until told to stop. Only this thread ever touches the engine."""
         try:
-            while self._apply_messages():
+            while self.apply_messages():
                 if self.engine.has_unfinished:
                     self._step()
-                self._publish()
-            self._publish()
+                self.publish()
+            self.publish()
         except BaseException:  # a bug in the loop itself: report it, fail every request
             log.exception("the engine loop crashed")
             self._crashed = True
             self._loop.call_soon_threadsafe(self._fail_everyone)
 
-    def _apply_messages(self) -> bool:
+    def apply_messages(self) -> bool:
         """Apply every message in the inbox, first waiting for one if there is no work (an
         idle engine sleeps here). False once told to stop."""
         block = not self.engine.has_unfinished
@@ -271,7 +239,8 @@ class AsyncEngine:
                 return True
             block = False
             if message is _STOP:
-                self._abort(list(self._seqs), ShuttingDown("the server shut down before this request finished"))
+                error = ShuttingDown("the server shut down before this request finished")
+                self._abort(self.engine.unfinished_request_ids, error)
                 return False
             if isinstance(message, _Abort):
                 self._abort(message.ids)
@@ -282,19 +251,20 @@ class AsyncEngine:
         """Queue all of a request's choices, or none: a full queue or a request the engine
         refuses (one that could never fit in the pool) is answered with an error instead."""
         if self.engine.scheduler.num_waiting >= self.max_queue:
-            self._outbox.append((message.ids[0], QueueFull(f"{self.max_queue} requests are already waiting"), None))
+            self._outbox.append((message.ids[0], QueueFull(f"{self.max_queue} requests are already waiting")))
             return
         try:
             for rid, prompt, params in zip(message.ids, message.prompts, message.params):
-                self._seqs[rid] = self.engine.add_request(rid, prompt, params, message.arrival)
+                self.engine.add_request(rid, prompt, params, message.arrival)
         except ValueError as err:
-            self._abort([rid for rid in message.ids if rid in self._seqs])
-            self._outbox.append((message.ids[0], Rejected(str(err)), None))
+            self._abort(message.ids)  # the choices already queued, if any
+            self._outbox.append((message.ids[0], Rejected(str(err))))
 
     def _abort(self, ids: list[str], error: Exception | None = None) -> list[str]:
-        aborted = [rid for rid in ids if self._seqs.pop(rid, None) is not None and self.engine.abort(rid)]
+        """Abort the unfinished requests among ``ids``; each gets ``error``, if one is given."""
+        aborted = [rid for rid in ids if self.engine.abort(rid)]
         if error is not None:
-            self._outbox.extend((rid, error, None) for rid in aborted)
+            self._outbox.extend((rid, error) for rid in aborted)
         return aborted
 
     def _step(self) -> None:
@@ -303,9 +273,7 @@ class AsyncEngine:
         except Exception as err:
             self._fail_batch(err)
             return
-        for out in outputs:
-            times = RequestTimes.of(self._seqs.pop(out.request_id)) if out.finished else None
-            self._outbox.append((out.request_id, out, times))
+        self._outbox.extend((out.request_id, out) for out in outputs)
 
     def _fail_batch(self, err: Exception) -> None:
         """End the requests of the step that raised, and nobody else. If the batch is unknown
@@ -314,8 +282,9 @@ class AsyncEngine:
         error = EngineFailure(f"the engine failed while generating: {type(err).__name__}: {err}")
         batch = self.engine.last_step
         if not self._abort([chunk.seq.request_id for chunk in batch.chunks] if batch else [], error):
-            self._abort(list(self._seqs), error)
+            self._abort(self.engine.unfinished_request_ids, error)
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
+        """Hand this pass's outputs and a fresh stats snapshot to the event loop, in one wake-up."""
         items, self._outbox = self._outbox, []
-        self._loop.call_soon_threadsafe(self._deliver, items, self.engine.stats())
+        self._loop.call_soon_threadsafe(self.deliver, items, self.engine.stats())

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from server.engine_loop import AsyncEngine, RequestTimes
+from minillm.engine.sequence import RequestTimes
+from server.engine_loop import AsyncEngine
 
 PREFIX = "minillm:"
 # vLLM's buckets, with millisecond buckets added below them: a small model on a CPU is fast.

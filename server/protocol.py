@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
+from server.wire import OpenAIError, invalid
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 64  # prompts x n in one request; more is a batch job, not a request
@@ -52,24 +53,6 @@ _NEUTRAL = {
 }
 
 CHAT_ROLES = {"system": "", "developer": "", "user": "User: ", "assistant": "Assistant: "}
-
-
-class OpenAIError(Exception):
-    """An error answered in OpenAI's shape: ``{"error": {message, type, param, code}}``."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def invalid(message: str, param: str | None = None) -> OpenAIError:
-    """A 400: the request itself is wrong, and sending it again will not help."""
-    return OpenAIError(400, message, "invalid_request_error", param)
 
 
 @dataclass(frozen=True)
@@ -313,12 +296,6 @@ class Responses:
         """The last chunk before ``[DONE]`` when ``stream_options.include_usage`` is set."""
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._envelope(kind, []), "usage": counts}
-
-
-def sse(data: dict | str) -> bytes:
-    """One server-sent event: ``data: <json>`` and a blank line."""
-    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return f"data: {text}\n\n".encode()
 
 
 def models_list(card: ModelCard, created: int) -> dict:

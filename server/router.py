@@ -39,13 +39,13 @@ from typing import AsyncIterator, Iterator, Sequence
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from minillm.cli import UsageError, run
+from minillm.settings import preset_dir, resolve_checkpoint
 from server.launch import ServerProcess, start_server
-from server.metrics import CONTENT_TYPE
-from server.protocol import OpenAIError, sse
+from server.wire import OpenAIError, sse
 from server.replicas import Replica, ReplicaSet
 from server.router_config import RouterConfig, parse_router_args
 from server.routing import Policy, affinity_key, make_policy
@@ -302,7 +302,7 @@ class RouterCollector:
 async def metrics(request: web.Request) -> web.Response:
     registry = CollectorRegistry()
     registry.register(RouterCollector(request.app[ROUTER]))
-    return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE})
+    return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 # ----------------------------------------------------------------------------- running it
@@ -310,10 +310,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 def spawn_replicas(config: RouterConfig) -> list[ServerProcess]:
     """Start ``config.spawn`` servers at once, each on a free port; stop them all if one fails."""
-    from minillm.checkpoint import preset_dir, resolve
-
     try:
-        checkpoint = resolve(config.checkpoint or preset_dir("cpu"))
+        checkpoint = resolve_checkpoint(config.checkpoint or preset_dir("cpu"))
     except FileNotFoundError as err:
         raise UsageError(f"--checkpoint: {err} (train one with `make serve` first, or name one)") from None
     with ThreadPoolExecutor(config.spawn) as pool:

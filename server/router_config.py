@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from minillm.cli import ArgumentParser, UsageError
-from server.config import LOG_LEVELS, add_env_flags, dataclass_defaults, env_name
+from server.flags import LOG_LEVELS, add_env_flags, dataclass_defaults, env_name
 from server.routing import POLICIES
 
 ENV_PREFIX = "MINILLM_ROUTER_"

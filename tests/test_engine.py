@@ -145,12 +145,12 @@ def test_requests_that_can_never_run_are_refused(model: GPT) -> None:
 def test_a_failing_step_still_returns_finished_blocks(model: GPT) -> None:
     engine = LLMEngine(model, EngineConfig())
     engine.add_request("a", [1, 2, 3], greedy(1))  # finishes on its first token
-    engine.add_request("b", [4, 5, 6], greedy(5))
+    b = engine.add_request("b", [4, 5, 6], greedy(5))
 
     def broken(token: int) -> str:
         raise RuntimeError("detokenizer failure")
 
-    engine._detokenizers["b"].add = broken
+    b.detokenizer.add = broken
     with pytest.raises(RuntimeError, match="detokenizer failure"):
         engine.step()
     assert engine.abort("b")
@@ -163,4 +163,47 @@ def test_decodes_split_into_length_sorted_groups_give_the_same_tokens(model: GPT
 
     monkeypatch.setattr(model_runner, "DECODE_GROUP", 2)  # seven requests -> four attention groups
     tokens, _ = engine_tokens(model, prompts(), LIMITS)
+    assert tokens == reference
+
+
+def test_a_finished_request_leaves_nothing_behind(model: GPT) -> None:
+    """The request's ``Sequence`` is its one record: once it is finished (or aborted) and the
+    next step has replaced ``last_step``, nothing in the engine refers to it any more, so it
+    and everything it owned (detokenizer, generator, drafter) are garbage."""
+    import gc
+    import weakref
+
+    from minillm.engine.speculator import Speculator
+
+    engine = LLMEngine(model, EngineConfig(num_blocks=32, block_size=8), speculator=Speculator.with_ngram(3))
+    sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=3, stop=["zz"], ignore_eos=True)
+    done = engine.add_request("done", [5, 6, 7, 5, 6, 7, 5, 6], sampled)
+    gone = engine.add_request("gone", [1, 2, 3], greedy(50))
+    owned = [weakref.ref(x) for x in (done, gone, done.detokenizer, done.generator)]
+    while not done.is_finished:
+        engine.step()
+    assert done.drafter is not None or engine.speculator.stats.drafted == 0  # it drafted once alone
+    assert engine.abort("gone") and not engine.abort("gone")
+    del done, gone
+    engine.step()  # idle: replaces last_step, the plan of the step that ran them
+    gc.collect()
+    assert [r() for r in owned] == [None] * 4
+    assert engine.unfinished_request_ids == [] and not engine.scheduler.running and not engine.scheduler.waiting
+    assert sum(engine.allocator.ref_counts) == 0 and engine.stats().kv_blocks_used == 0
+
+
+def test_the_last_output_carries_the_request_times(model: GPT) -> None:
+    engine = LLMEngine(model, EngineConfig(num_blocks=32, block_size=8))
+    engine.add_request("a", [1, 2, 3], greedy(3), arrival_time=0.0)
+    outputs = []
+    while engine.has_unfinished:
+        outputs += engine.step()
+    assert [o.times is None for o in outputs] == [True, True, False]
+    times = outputs[-1].times
+    assert times.arrival == 0.0 < times.first_scheduled <= times.first_token <= times.finish
+    assert len(times.token_times) == 3 and times.token_times[-1] == times.finish
+
+
+def test_the_per_sequence_decode_loop_gives_the_same_tokens(model: GPT, reference) -> None:
+    tokens, _ = engine_tokens(model, prompts(), LIMITS, attention="torch-loop")
     assert tokens == reference

@@ -164,7 +164,7 @@ def test_traffic_model_rejects_nonsense() -> None:
 
 
 def test_attention_backend_is_checked() -> None:
-    with pytest.raises(ValueError, match="attention must be one of torch, triton"):
+    with pytest.raises(ValueError, match="attention must be one of torch, torch-loop, triton"):
         EngineConfig(attention="cuda")
     assert parse_args(["--attention", "TRITON"]).engine_config().attention == "triton"
     with pytest.raises(UsageError, match="attention must be one of"):

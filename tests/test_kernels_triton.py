@@ -133,8 +133,8 @@ COMPILE_FOR_A_GPU = textwrap.dedent("""
     from triton import compile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from minillm.kernels.flash_triton import _flash_forward
-    from minillm.kernels.paged_triton import _paged_decode
+    from minillm.kernels.flash_triton import flash_forward_kernel
+    from minillm.kernels.paged_triton import paged_decode_kernel
 
     def ptx(fn, pointers, constants):
         types = {name: pointers.get(name, "i32") for name in fn.arg_names} | {c: "constexpr" for c in constants}
@@ -142,11 +142,11 @@ COMPILE_FOR_A_GPU = textwrap.dedent("""
         constexprs = {(fn.arg_names.index(c),): value for c, value in constants.items()}
         return compile(ASTSource(fn=fn, signature=types, constexprs=constexprs), target=GPUTarget("cuda", 80, 32)).asm["ptx"]
 
-    flash = ptx(_flash_forward, dict.fromkeys("QKVO", "*fp16"),
+    flash = ptx(flash_forward_kernel, dict.fromkeys("QKVO", "*fp16"),
                 dict(CAUSAL=True, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, UPCAST=False, PRECISION="tf32"))
-    paged = ptx(_paged_decode, dict.fromkeys(["Q", "K_POOL", "V_POOL", "O"], "*bf16") | {"TABLES": "*i64", "LENGTHS": "*i64"},
+    paged = ptx(paged_decode_kernel, dict.fromkeys(["Q", "K_POOL", "V_POOL", "O"], "*bf16") | {"TABLES": "*i64", "LENGTHS": "*i64"},
                 dict(BLOCK_SIZE=16, BLOCK_N=16, BLOCK_D=64))
-    print("mma.sync" in flash, ".entry _paged_decode" in paged)
+    print("mma.sync" in flash, ".entry paged_decode_kernel" in paged)
 """)
 
 

@@ -13,14 +13,8 @@ from minillm.cli import UsageError
 from minillm.config import get_preset
 from minillm.engine import LLM, EngineConfig, SamplingParams
 from minillm.model import GPT
-from minillm.parallel import (
-    allreduce_volume,
-    check_equivalence,
-    check_tensor_parallel_size,
-    shard_config,
-    shard_gpt,
-    shard_state_dict,
-)
+from minillm.parallel import allreduce_volume, check_tensor_parallel_size, shard_config, shard_gpt, shard_state_dict
+from minillm.parallel_measure import check_equivalence
 
 TINY = get_preset("tiny")  # d_model 64, 4 heads, 2 layers
 # Sums in a different order (per rank, then across ranks) move float32 logits of size ~10 by

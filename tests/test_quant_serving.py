@@ -14,7 +14,7 @@ import torch
 from minillm.checkpoint import save_checkpoint
 from minillm.engine import LLM, SamplingParams
 from minillm.quant import QuantEmbedding, QuantLinear
-from server.__main__ import load
+from server.__main__ import build
 from server.config import ServerConfig, parse_args
 from server.launch import start_server
 from test_quant import VOCAB, tiny_model
@@ -42,10 +42,10 @@ def checkpoint(tmp_path: Path) -> Path:
 
 def test_load_quantizes_in_bf16_unless_told_otherwise(tmp_path: Path) -> None:
     ckpt = str(checkpoint(tmp_path))
-    model = load(ServerConfig(checkpoint=ckpt, device="cpu", quantize="int4"))
+    model = build(ServerConfig(checkpoint=ckpt, device="cpu", quantize="int4", kv_cache_memory="8MiB")).model
     assert isinstance(model.tok_emb, QuantEmbedding) and isinstance(model.blocks[1].attn.qkv, QuantLinear)
     assert model.ln_f.weight.dtype == torch.bfloat16 and model.blocks[0].mlp.fc.scheme == "int4"
-    model = load(ServerConfig(checkpoint=ckpt, device="cpu", quantize="int8", dtype="float32"))
+    model = build(ServerConfig(checkpoint=ckpt, device="cpu", quantize="int8", dtype="float32", kv_cache_memory="8MiB")).model
     assert model.ln_f.weight.dtype == torch.float32 and model.blocks[0].mlp.fc.qweight.dtype == torch.int8
 
 

@@ -120,7 +120,10 @@ def test_streamed_text_equals_whole_text_for_completions_and_chat(model: GPT, ca
                 assert chunks[-1]["choices"][0]["finish_reason"] == "length"
                 if "message" in choice:
                     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-            assert (await settled(client)).stats.kv_blocks_used == 0
+            loop = await settled(client)
+            assert loop.stats.kv_blocks_used == 0
+            # nothing of the four finished requests is left in the server's or the engine's tables
+            assert loop._streams == {} and loop._outbox == [] and loop.engine.unfinished_request_ids == []
 
     run(main())
     lines = [r.getMessage() for r in caplog.records if r.name == "server.access"]

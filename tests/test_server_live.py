@@ -31,7 +31,7 @@ from minillm.config import ModelConfig
 from minillm.engine.llm_engine import EngineConfig, EngineStats, LLMEngine
 from minillm.model import GPT
 from minillm.tokenizer import get_tokenizer
-from server.__main__ import banner, load, serve
+from server.__main__ import banner, build, serve
 from server.app import STATE, create_app
 from server.config import ServerConfig
 from server.launch import start_server
@@ -183,9 +183,9 @@ def test_shutdown_aborts_what_outlives_the_grace_period(model: GPT, monkeypatch)
     assert stats.generated_tokens < 120 and not engine_loop.alive
 
 
-def test_load_reports_a_missing_checkpoint_in_one_line(tmp_path: Path) -> None:
+def test_build_reports_a_missing_checkpoint_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="--checkpoint: no checkpoint at"):
-        load(ServerConfig(checkpoint=str(tmp_path / "nothing.pt"), device="cpu"))
+        build(ServerConfig(checkpoint=str(tmp_path / "nothing.pt"), device="cpu"))
     text = banner(ServerConfig(api_key="sekrit"), 8123)
     assert "http://127.0.0.1:8123/v1/completions" in text and "Bearer $OPENAI_API_KEY" in text
     assert 'base_url="http://127.0.0.1:8123/v1"' in text and "sekrit" not in text

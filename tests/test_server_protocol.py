@@ -7,7 +7,8 @@ import pytest
 from minillm.cli import UsageError
 from minillm.tokenizer import get_tokenizer
 from server.config import ServerConfig, build_parser, env_name, parse_args
-from server.protocol import ModelCard, OpenAIError, Responses, chat_prompt, parse_chat, parse_completion, sse
+from server.protocol import ModelCard, Responses, chat_prompt, parse_chat, parse_completion
+from server.wire import OpenAIError, sse
 
 CARD = ModelCard("minillm", max_model_len=128, vocab_size=50257)
 

@@ -7,19 +7,22 @@ without it, whether one prompt runs (speculative steps) or several (ordinary bat
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from minillm.checkpoint import save_checkpoint
 from minillm.cli import UsageError
 from minillm.config import ModelConfig
 from minillm.engine.llm import LLM
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.speculator import Speculator, build_speculator
+from minillm.engine.build import build_speculator
+from minillm.engine.speculator import Speculator
 from minillm.model import GPT
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import get_tokenizer
-from server.__main__ import load_speculator
+from server.__main__ import build
 from server.app import create_app
 from server.config import ServerConfig, parse_args
 from test_speculative import peaky
@@ -93,13 +96,14 @@ def test_a_draft_with_another_vocabulary_is_refused(target) -> None:
 
 
 def test_server_flags(tmp_path, target) -> None:
+    path = str(save_checkpoint(tmp_path / "ckpt.pt", {"model": target.state_dict(), "model_config": target.cfg.to_dict()}))
     config = parse_args(["--speculative-draft", "ngram", "--num-speculative-tokens", "6"], environ={})
-    assert load_speculator(config, target).k == 6
+    assert build(replace(config, checkpoint=path)).speculator.k == 6
     with pytest.raises(UsageError, match="num_speculative_tokens"):
         parse_args(["--speculative-draft", "ngram", "--num-speculative-tokens", "0"], environ={})
     with pytest.raises(UsageError, match="--speculative-draft: no checkpoint"):
-        load_speculator(parse_args(["--speculative-draft", str(tmp_path / "missing")], environ={}), target)
-    assert load_speculator(parse_args([], environ={}), target) is None
+        build(parse_args(["--checkpoint", path, "--speculative-draft", str(tmp_path / "missing")], environ={}))
+    assert build(parse_args(["--checkpoint", path], environ={})).speculator is None
 
 
 def test_the_server_streams_the_same_greedy_text_with_speculation(target, draft) -> None:
@@ -116,3 +120,59 @@ def test_the_server_streams_the_same_greedy_text_with_speculation(target, draft)
 
     plain, speculative = asyncio.run(asyncio.wait_for(both(), 60))
     assert speculative == plain and plain
+
+
+def test_speculation_runs_through_the_one_step_path_and_only_the_scheduler_allocates(target, monkeypatch) -> None:
+    """The scheduler reserves the draft's lookahead slots; the runner drafts and verifies in
+    ``execute`` and returns every emitted token of the chunk; ``step`` is the same code with or
+    without a speculator, and the tokens equal the target's alone."""
+    from minillm.engine.block_allocator import BlockAllocator
+
+    plain = LLM(target, num_blocks=64, block_size=8).generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].token_ids
+    engine = LLMEngine(target, EngineConfig(num_blocks=64, block_size=8), speculator=Speculator.with_ngram(4))
+    callers = []
+    real_grow = BlockAllocator.grow
+
+    def grow(self, seq, num_tokens):
+        import inspect
+
+        callers.append(inspect.stack()[1].frame.f_globals["__name__"])
+        return real_grow(self, seq, num_tokens)
+
+    monkeypatch.setattr(BlockAllocator, "grow", grow)
+    seq = engine.add_request("r", PROMPTS[0], GREEDY)
+    widths, lookaheads = [], []
+    while engine.has_unfinished:
+        outs = engine.step()
+        chunk = engine.last_step.chunks[0]
+        lookaheads.append(chunk.num_lookahead)
+        widths += [len(o.new_token_ids) for o in outs]
+        assert seq.is_finished or len(seq.block_table) * 8 >= seq.num_computed_tokens + 1  # the slots were there
+    assert seq.output_ids == plain
+    assert max(widths) > 1 and max(lookaheads) == 4  # drafts were accepted, several tokens a step
+    assert set(callers) <= {"minillm.engine.scheduler", "minillm.engine.block_allocator"}
+
+
+def test_lookahead_slots_never_preempt_and_stop_at_max_tokens() -> None:
+    from minillm.engine.block_allocator import BlockAllocator
+    from minillm.engine.scheduler import Scheduler
+    from minillm.engine.sequence import Sequence
+
+    def decode_after_prefill(prompt_len: int, max_tokens: int, num_blocks: int, held_elsewhere: int = 0):
+        scheduler = Scheduler(BlockAllocator(num_blocks, block_size=4), max_model_len=64, num_lookahead_slots=4)
+        other = Sequence.from_prompt("other", [0] * (4 * held_elsewhere), SamplingParams(), 64)
+        scheduler.allocator.admit(other, 4 * held_elsewhere, [])
+        seq = Sequence.from_prompt("a", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), 64)
+        scheduler.add(seq)
+        prefill = scheduler.schedule(0.0)
+        assert prefill.chunks[0].num_lookahead == 0  # a prefill does not speculate
+        seq.append_token(9, 0.0)
+        scheduler.postprocess(prefill, 0.0)
+        return scheduler.schedule(0.0), seq
+
+    out, seq = decode_after_prefill(3, max_tokens=3, num_blocks=8)
+    assert out.chunks[0].num_lookahead == 1  # 2 tokens left to give: 1 draft + 1 from the target
+    out, seq = decode_after_prefill(3, max_tokens=20, num_blocks=8)
+    assert out.chunks[0].num_lookahead == 4 and len(seq.block_table) == 2  # 4 tokens + 4 slots
+    out, seq = decode_after_prefill(7, max_tokens=5, num_blocks=3, held_elsewhere=1)  # no block to spare
+    assert out.chunks[0].num_lookahead == 0 and not out.preempted and len(seq.block_table) == 2

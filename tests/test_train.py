@@ -6,7 +6,8 @@ import time
 import pytest
 import torch
 
-from minillm.checkpoint import load_model, load_or_train, load_state, preset_dir
+from minillm.checkpoint import load_model, load_state, preset_dir
+from minillm.train import load_or_train
 from minillm.data import BatchSampler, prepare_corpus
 from minillm.model import GPT
 from minillm.train import TrainConfig, lr_at, make_optimizer, resolve, train, train_step

@@ -12,13 +12,13 @@ from minillm.bench import attention as attention_bench
 from minillm.bench import engine as eb
 from minillm.bench import quant as quant_bench
 from minillm.bench import speculative as speculative_bench
-from minillm.checkpoint import CHECKPOINT_NAME, load_model, preset_dir
+from minillm.bench.engine import load_weights
 from minillm.cli import ArgumentParser, UsageError, run
 from minillm.config import PRESETS, get_preset
-from minillm.engine.llm import resolve_dtype
 from minillm.hardware import default_device, device_name
 from minillm.model import GPT
 from minillm.settings import project_root, quick
+from minillm.units import resolve_dtype
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -53,15 +53,6 @@ def build_parser() -> ArgumentParser:
     speculative_bench.add_arguments(sub.add_parser("speculative", help="speculative decoding: acceptance and speedup vs k"))
     quant_bench.add_arguments(sub.add_parser("quant", help="fp32, bf16, fp16, int8, int4: bytes, speed, quality"))
     return p
-
-
-def load_weights(preset: str, device: torch.device) -> tuple[GPT, str]:
-    """The preset's trained weights if there are any, else random ones: speed does not care."""
-    path = preset_dir(preset) / CHECKPOINT_NAME
-    if path.is_file():
-        return load_model(path, device), str(path)
-    torch.manual_seed(0)
-    return GPT(get_preset(preset)).to(device).eval(), "random weights"
 
 
 def bench_engine(args) -> dict:

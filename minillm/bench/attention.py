@@ -21,12 +21,14 @@ import torch
 
 from minillm.cli import UsageError
 from minillm.config import PRESETS
-from minillm.engine.llm import LLM, resolve_dtype
+from minillm.bench.engine import load_weights
+from minillm.engine.llm import LLM
 from minillm.hardware import default_device, device_name, median_seconds
 from minillm.kernels import naive_attention, naive_bytes, tiled_attention, tiled_bytes
 from minillm.model import GPT
 from minillm.sampling import SamplingParams
 from minillm.settings import quick
+from minillm.units import resolve_dtype
 
 GPU_SEQ_LENS = (128, 256, 512, 1024, 2048, 4096, 8192)
 CPU_SEQ_LENS = (128, 256, 512, 1024)
@@ -157,8 +159,6 @@ def add_arguments(p) -> None:
 
 def run_attention_bench(args) -> dict:
     """Everything this device can measure honestly, as a JSON-ready report; prints as it goes."""
-    from minillm.bench.__main__ import load_weights  # (that module imports this one)
-
     device = torch.device(args.device) if args.device else default_device()
     cuda = device.type == "cuda"
     try:

@@ -18,10 +18,22 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from minillm.checkpoint import CHECKPOINT_NAME, load_model, preset_dir
+from minillm.config import get_preset
 from minillm.engine import LLM, SamplingParams
 from minillm.generate import generate_kv_cache, generate_naive, generate_static_batch
 from minillm.hardware import measure_bandwidth, median_seconds
 from minillm.model import GPT
+
+
+def load_weights(preset: str, device: torch.device) -> tuple[GPT, str]:
+    """The preset's trained weights if there are any, else random ones (seeded): speed does not
+    care. Returns the model and where its weights came from."""
+    path = preset_dir(preset) / CHECKPOINT_NAME
+    if path.is_file():
+        return load_model(path, device), str(path)
+    torch.manual_seed(0)
+    return GPT(get_preset(preset)).to(device).eval(), "random weights"
 
 
 @dataclass
@@ -129,8 +141,8 @@ def run_hf(model: GPT, w: Workload, batch_size: int) -> Result | None:
     from minillm.hf import export_hf
 
     with tempfile.TemporaryDirectory() as tmp:
-        hf = GPT2LMHeadModel.from_pretrained(export_hf(model, tmp), dtype=model.tok_emb.weight.dtype)
-    hf = hf.to(model.tok_emb.weight.device).eval()
+        hf = GPT2LMHeadModel.from_pretrained(export_hf(model, tmp), dtype=model.dtype)
+    hf = hf.to(model.device).eval()
     pad = model.cfg.vocab_size - 1
 
     def go() -> None:
@@ -156,7 +168,7 @@ def batch1_decode(model: GPT, context: int = 128, repeats: int = 20, bandwidth: 
     params = SamplingParams(max_tokens=repeats + 4, temperature=0, ignore_eos=True)
     engine.add_request("b1", list(range(1, context + 1)), params)
     engine.step()  # prefill
-    device = model.tok_emb.weight.device
+    device = model.device
     seconds = median_seconds(engine.step, device, repeats, warmup=3)
     engine.abort("b1")
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -344,7 +344,8 @@ def add_arguments(p) -> None:
 
 def run_from_args(args, out: Path) -> dict:
     """Check the options, run the lab on the checkpoint, print the table, save JSON and a plot."""
-    from minillm.checkpoint import CHECKPOINT_NAME, load_or_train, preset_dir
+    from minillm.checkpoint import CHECKPOINT_NAME, preset_dir
+    from minillm.train import load_or_train
     from minillm.cli import UsageError
     from minillm.hardware import default_device
     from minillm.settings import quick

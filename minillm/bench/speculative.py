@@ -89,7 +89,7 @@ def step_costs(target: GPT, draft: GPT, ks: list[int], context: int = 64, repeat
     """Median seconds of one target step over 1 and over ``k + 1`` tokens, and of one draft
     step, each after ``context`` cached positions (rolled back after every run). Every variant
     runs once per round, so a busy neighbour slows them alike."""
-    device = target.tok_emb.weight.device
+    device = target.device
 
     def stepper(model: GPT, n: int) -> Callable[[], None]:
         cache = ContiguousKVCache(model, 1, context + n)
@@ -115,7 +115,7 @@ def batched_verify_cost(target: GPT, batch_sizes: list[int], k: int, context: in
     one new token each, and with ``k + 1`` (a speculative verification for every sequence).
     The ratio is what verification costs in plain steps: near 1 while the step is memory-bound,
     heading for ``k + 1`` once ``B * (k + 1)`` tokens make it compute-bound (chapter 1)."""
-    device = target.tok_emb.weight.device
+    device = target.device
     rows = []
     for b in batch_sizes:
         cache = ContiguousKVCache(target, b, context + k + 1)
@@ -200,7 +200,7 @@ def run(target: GPT, draft: GPT, *, num_prompts: int, prompt_len: int, max_new: 
     """The whole benchmark: step costs, then :func:`measure` on stories and out-of-domain text."""
     workloads = {"stories": story_prompts(num_prompts, prompt_len),
                  "out-of-domain": out_of_domain_prompts(num_prompts, prompt_len)}
-    device = target.tok_emb.weight.device
+    device = target.device
     report = {"device": device_name(device), "threads": torch.get_num_threads(), "num_prompts": num_prompts,
               "prompt_len": prompt_len, "max_new_tokens": max_new, "rounds": rounds, "ks": ks,
               "target_params": sum(p.numel() for p in target.parameters()),
@@ -265,7 +265,7 @@ def run_from_args(args, out) -> dict:
     """Load (or train) the ``cpu`` target and the ``draft`` model, measure, save JSON and a plot."""
     import json
 
-    from minillm.checkpoint import load_or_train
+    from minillm.train import load_or_train
     from minillm.cli import UsageError
     from minillm.settings import quick
 

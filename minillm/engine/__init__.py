@@ -1,18 +1,33 @@
 """The paged inference engine (chapters 7 and 8), split by responsibility, in data-flow order.
 
-- ``sequence``: one request's state: its tokens, its status, its block table, its timings.
+- ``sequence``: one request's record: its tokens, status, block table, timings, and what it
+  owns while it lives (detokenizer, random generator, drafter).
 - ``block_allocator``: a fixed pool of KV-cache blocks, with reference counts and prefix hashes.
-- ``scheduler``: who runs this step: admission, the token budget, preemption by recompute.
+- ``scheduler``: who runs this step: admission, the token budget, preemption by recompute,
+  and lookahead slots for speculative decoding.
 - ``model_runner``: turns a scheduled batch into tensors and runs one forward pass.
-- ``llm_engine``: ``add_request``, ``step`` and ``abort``; ``LLM.generate`` for offline batches.
+- ``llm_engine``: ``add_request``, ``step`` and ``abort``.
 - ``speculator``: speculative decoding (chapter 12) for steps that decode a single request.
+- ``build``: ``build_engine``, from weights to an engine (load, cast, quantize, split, draft);
+  ``llm``: ``LLM.generate`` for offline batches, on top of it.
 
 The first three are plain Python, so the scheduling policy can be read and tested without a
-model; only the runner touches tensors.
+model; only the runner touches tensors. ``LLM`` and ``build_engine`` load checkpoints and
+quantize, so they are imported on first use: ``import minillm.engine`` stays light.
 """
 
-from minillm.engine.llm import LLM, CompletionOutput
 from minillm.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from minillm.sampling import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams", "build_engine"]
+
+_LAZY = {"LLM": "minillm.engine.llm", "CompletionOutput": "minillm.engine.llm", "build_engine": "minillm.engine.build"}
+
+
+def __getattr__(name: str) -> object:
+    """``LLM``, ``CompletionOutput`` and ``build_engine``, imported when first asked for."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -15,7 +15,6 @@ gathers each sequence's keys and values back through its block table to attend o
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -23,25 +22,10 @@ import torch
 from minillm.config import ModelConfig
 from minillm.model import fused_attention
 
-# How the engine attends: PyTorch's gather + SDPA, or chapter 13's Triton kernels.
-ATTENTION_BACKENDS = ("torch", "triton")
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_memory(text: str | int) -> int:
-    """``"6GiB"`` -> 6442450944 bytes; ``"512MB"``, ``"1.5GiB"`` and plain integers also work."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-        unit = match.group(2).lower() if match else None
-        if not match or unit not in _UNITS:
-            raise ValueError(f"cannot read {text!r} as a memory size; write e.g. 512MiB, 6GiB or 2GB")
-        value = int(float(match.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise ValueError(f"a memory size must be positive, got {text!r}")
-    return value
+# How the engine attends: "torch" gathers length-sorted groups of decodes and makes one fused
+# attention call per group; "torch-loop" attends one sequence at a time (chapter 8's foil);
+# "triton" runs chapter 13's kernels, which read the blocks in place.
+ATTENTION_BACKENDS = ("torch", "torch-loop", "triton")
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -131,8 +115,10 @@ class PagedAttention:
     padding, which costs a copy and a read per slot, small. Prefill chunks, a few per step,
     are done one by one with causal attention over their own prefix.
 
-    ``backend="triton"`` (chapter 13) swaps both for Triton kernels: decodes read their blocks
-    in place through the block tables, with no gather; prefills use the FlashAttention kernel.
+    ``backend`` names how decodes are attended (:meth:`decode`): ``"torch"`` by the gather just
+    described, ``"torch-loop"`` one sequence at a time, ``"triton"`` (chapter 13) by a kernel
+    that reads the blocks in place through the block tables, with no gather; with ``"triton"``
+    prefills use the FlashAttention kernel too.
     """
 
     def __init__(
@@ -155,8 +141,7 @@ class PagedAttention:
         v_slots.index_copy_(0, self.slot_mapping, v[0].transpose(0, 1))
         out = torch.empty_like(q)
         for group in self.decodes:
-            decode = self._decode_triton if self.backend == "triton" else self._decode
-            out[0, :, group.start : group.end] = decode(layer, q[0, :, group.start : group.end], group)
+            out[0, :, group.start : group.end] = self.decode(layer, q[0, :, group.start : group.end], group)
         for chunk in self.prefills:
             rows = slice(chunk.offset, chunk.offset + chunk.num_tokens)
             keys = k_slots.index_select(0, chunk.slots).transpose(0, 1)[None]
@@ -169,8 +154,18 @@ class PagedAttention:
                 out[:, :, rows] = fused_attention(q[:, :, rows], keys, values)
         return out
 
-    def _decode(self, layer: int, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
-        """``q`` is ``[heads, B, head_dim]``; returns the same shape."""
+    def decode(self, layer: int, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+        """One decode group's attention, by this view's backend: ``q`` is ``[heads, B,
+        head_dim]``, one query per sequence of the group; returns the same shape."""
+        if self.backend == "triton":
+            return self.decode_triton(layer, q, group)
+        if self.backend == "torch-loop":
+            return self.decode_loop(layer, q, group)
+        return self.decode_gather(layer, q, group)
+
+    def decode_gather(self, layer: int, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+        """The whole group at once: its blocks gathered side by side, padded to the longest
+        member and masked past each one's length, then one fused attention call."""
         b = group.end - group.start
         keys, values = self.pool.gather(layer, group.blocks)
         h, d = keys.shape[1:]
@@ -180,8 +175,22 @@ class PagedAttention:
         )
         return out[:, :, 0].transpose(0, 1)
 
-    def _decode_triton(self, layer: int, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
-        """The same as :meth:`_decode`, by the paged Triton kernel: no gather, no padding."""
+    def decode_loop(self, layer: int, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+        """The same, one sequence at a time, each through its own block table: exactly its
+        slots are read, with no padding, but every sequence pays a handful of operations."""
+        k_slots, v_slots = self.pool.slots(layer)
+        bs = self.pool.block_size
+        tables = group.blocks.view(group.end - group.start, group.width)
+        out = torch.empty_like(q)
+        for i, n in enumerate(group.lengths.tolist()):
+            slots = (tables[i, : -(-n // bs), None] * bs + torch.arange(bs, device=q.device)).flatten()[:n]
+            keys = k_slots.index_select(0, slots).transpose(0, 1)  # [heads, n, head_dim]
+            values = v_slots.index_select(0, slots).transpose(0, 1)
+            out[:, i] = torch.nn.functional.scaled_dot_product_attention(q[:, i : i + 1], keys, values)[:, 0]
+        return out
+
+    def decode_triton(self, layer: int, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+        """The same as :meth:`decode_gather`, by the paged Triton kernel: no gather, no padding."""
         from minillm.kernels.paged_triton import paged_decode_attention
 
         b = group.end - group.start

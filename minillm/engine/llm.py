@@ -17,17 +17,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from minillm.checkpoint import load_model
-from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.speculator import build_speculator
-from minillm.hardware import DTYPES as HW_DTYPES
+from minillm.engine.build import build_engine
+from minillm.engine.llm_engine import EngineConfig
 from minillm.model import GPT
-from minillm.quant import cast_and_quantize
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
-
-# Chapter 1's short names (fp32, bf16, fp16) and PyTorch's own (float32, bfloat16, float16).
-DTYPES = {**HW_DTYPES, **{str(dtype).removeprefix("torch."): dtype for dtype in HW_DTYPES.values()}}
 
 
 @dataclass
@@ -38,16 +32,6 @@ class CompletionOutput:
     token_ids: list[int]
     text: str
     finish_reason: str
-
-
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    """``"bf16"`` -> ``torch.bfloat16``; ``None`` keeps the model's own."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}") from None
 
 
 class LLM:
@@ -75,14 +59,10 @@ class LLM:
         quantize: str | None = None,
         **engine_options: object,
     ) -> None:
-        if not isinstance(model, GPT):
-            model = load_model(model, device or "cpu")
-        if quantize is not None and engine_options.get("tensor_parallel_size", 1) != 1:
-            raise ValueError("quantize does not combine with tensor_parallel_size > 1 (not supported)")
-        model.to(device=device)
-        cast_and_quantize(model, resolve_dtype(dtype), quantize)  # "int8" | "int4", in place (chapter 11)
-        speculator = build_speculator(speculative_draft, model, num_speculative_tokens)
-        self.engine = LLMEngine(model, EngineConfig(**engine_options), tokenizer, speculator)  # type: ignore[arg-type]
+        self.engine = build_engine(
+            model, EngineConfig(**engine_options), device=device, dtype=dtype, quantize=quantize,  # type: ignore[arg-type]
+            speculative_draft=speculative_draft, num_speculative_tokens=num_speculative_tokens, tokenizer=tokenizer,
+        )
         self._next_id = 0
 
     def close(self) -> None:

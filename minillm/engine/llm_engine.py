@@ -1,11 +1,13 @@
 """The engine: requests in, tokens out, one scheduler step at a time.
 
-``LLMEngine`` wires the pieces of chapters 7 and 8 together. ``add_request`` checks and
-queues a request; each ``step()`` asks the scheduler who runs, has the model runner compute
-and sample, appends each new token to its sequence, detokenizes it (holding back half
+``LLMEngine`` wires the pieces of chapters 7 and 8 together. ``add_request`` checks a request
+and queues its ``Sequence``, the request's one record (its tokens, blocks, detokenizer, random
+generator and timestamps). Each ``step()`` asks the scheduler who runs, has the model runner
+compute and sample, appends each new token to its sequence, detokenizes it (holding back half
 characters and possible stop strings), and lets the scheduler retire finished sequences and
-free their blocks. The server (chapter 9) calls ``step()`` in a loop; ``LLM.generate`` does
-the same for a fixed list of prompts.
+free their blocks; a retired sequence is referenced by nothing in the engine any more. The
+server (chapter 9) calls ``step()`` in a loop; ``LLM.generate`` does the same for a fixed list
+of prompts.
 """
 
 from __future__ import annotations
@@ -18,15 +20,15 @@ import torch
 from minillm.config import ModelConfig
 from minillm.detokenizer import IncrementalDetokenizer
 from minillm.engine.block_allocator import BlockAllocator
-from minillm.engine.kv_cache import ATTENTION_BACKENDS, PagedKVPool, blocks_for_memory, parse_memory
+from minillm.engine.kv_cache import ATTENTION_BACKENDS, PagedKVPool, blocks_for_memory
 from minillm.engine.model_runner import ModelRunner
-from minillm.engine.scheduler import Scheduler, SchedulerOutput
+from minillm.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from minillm.engine.sequence import FinishReason, RequestTimes, Sequence
 from minillm.engine.speculator import Speculator
-from minillm.engine.sequence import FinishReason, Sequence
 from minillm.model import GPT
-from minillm.sampling import SamplingParams
-from minillm.speculative import Draft
+from minillm.sampling import SamplingParams, make_generator
 from minillm.tokenizer import Tokenizer, get_tokenizer
+from minillm.units import parse_memory
 
 CPU_KV_CACHE_MEMORY = "1GiB"
 GPU_MEMORY_FRACTION = 0.9
@@ -39,7 +41,8 @@ class EngineConfig:
     ``kv_cache_memory`` is a byte budget (``"6GiB"``); by default 1 GiB on a CPU, and on a GPU
     90% of the memory left free after the model is loaded. ``num_blocks`` overrides it (tests
     use tiny pools to force preemption). ``tensor_parallel_size`` splits the model over that
-    many processes (``minillm.parallel``); the KV budget is then per rank, each holding its heads.
+    many processes (``minillm.parallel``; :func:`minillm.engine.build.build_engine` starts them);
+    the KV budget is then per rank, each holding its heads.
     """
 
     block_size: int = 16
@@ -84,7 +87,9 @@ class EngineConfig:
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one request: its new tokens and the text now safe to show."""
+    """What one step produced for one request: its new tokens and the text now safe to show.
+    ``times`` is set on a request's last output, so its reader needs nothing else from the
+    engine to report queue time, TTFT and inter-token latency."""
 
     request_id: str
     new_token_ids: list[int]
@@ -93,6 +98,7 @@ class RequestOutput:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    times: RequestTimes | None = None
 
 
 @dataclass
@@ -114,7 +120,8 @@ class EngineStats:
 
 
 class LLMEngine:
-    """The paged, continuously batched engine over one ``GPT``."""
+    """The paged, continuously batched engine over one ``GPT`` (or a model that acts as one:
+    quantized, or rank 0 of a tensor-parallel split)."""
 
     def __init__(
         self,
@@ -126,32 +133,34 @@ class LLMEngine:
         """``speculator``: speculative decoding for steps that decode a single request
         (:mod:`minillm.engine.speculator`); batched steps run as usual."""
         config = config or EngineConfig()
-        if config.tensor_parallel_size > 1:  # this process is rank 0; the other shards run in workers
-            from minillm.parallel_engine import TensorParallelGPT  # (it imports this package)
-
-            model = TensorParallelGPT(model.eval(), config.tensor_parallel_size)  # type: ignore[assignment]
+        if getattr(model, "world_size", 1) != config.tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size={config.tensor_parallel_size} needs the model split over that many "
+                "processes: build the engine with minillm.engine.build_engine (or LLM), which starts them"
+            )
         self.model = model.eval()
         self.config = config
         self.tokenizer = tokenizer or get_tokenizer()
-        weight = model.tok_emb.weight
-        if self.config.attention == "triton":  # fail now, not in the first request
-            _require_triton(weight.device)
-        num_blocks = self.config.pool_blocks(model.cfg, weight.dtype, weight.device)
-        self.pool = PagedKVPool(model.cfg, num_blocks, self.config.block_size, weight.device, weight.dtype)
-        self.allocator = BlockAllocator(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        if config.attention == "triton":  # fail now, not in the first request
+            _require_triton(model.device)
+        num_blocks = config.pool_blocks(model.cfg, model.dtype, model.device)
+        self.pool = PagedKVPool(model.cfg, num_blocks, config.block_size, model.device, model.dtype)
+        self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.allocator,
-            max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=model.cfg.context_length,
-            enable_chunked_prefill=self.config.enable_chunked_prefill,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            num_lookahead_slots=speculator.k if speculator is not None else 0,
         )
-        self.runner = ModelRunner(model, self.pool, self.config.attention)
-        self.speculator = speculator
-        self._sequences: dict[str, Sequence] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.runner = ModelRunner(model, self.pool, config.attention, speculator)
         self._steps = self._prefill_tokens = self._generated = 0
         self.last_step: SchedulerOutput | None = None  # what the latest step ran, for timelines and dashboards
+
+    @property
+    def speculator(self) -> Speculator | None:
+        return self.runner.speculator
 
     def add_request(
         self,
@@ -161,8 +170,6 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> Sequence:
         """Queue a request. Raises ``ValueError`` (a ``RequestRejected``) if it can never run."""
-        if request_id in self._sequences:
-            raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.model.cfg.vocab_size
@@ -176,10 +183,10 @@ class LLMEngine:
             max_model_len=self.model.cfg.context_length,
             eos_token_id=self.tokenizer.eot,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
+            generator=make_generator(params, self.model.device),
         )
         self.scheduler.add(seq)
-        self._sequences[request_id] = seq
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         return seq
 
     def step(self) -> list[RequestOutput]:
@@ -188,89 +195,55 @@ class LLMEngine:
         self.last_step = output
         if output.is_empty:
             return []
-        if self.speculator is not None and self.speculator.applies(output):
-            return self._speculative_step(output)
-        tokens = self.runner.execute(output)  # if this raises, no sequence has changed
+        produced = self.runner.execute(output)  # if this raises, no sequence has changed
         now = time.monotonic()
-        results: dict[str, RequestOutput] = {}
+        results: list[RequestOutput] = []
         try:
-            for chunk, token in zip(output.chunks, tokens):
-                is_decode = chunk.num_tokens == 1 and chunk.start >= chunk.seq.prompt_len
-                self._prefill_tokens += 0 if is_decode else chunk.num_tokens
-                if token is not None:
-                    self._generated += 1
-                    results[chunk.seq.request_id] = self._append(chunk.seq, token, now)
+            for chunk, tokens in zip(output.chunks, produced):
+                self._prefill_tokens += 0 if chunk.is_decode else chunk.num_tokens
+                if tokens:
+                    results.append(self._append(chunk, tokens, now))
         finally:  # even if appending failed, finished sequences must give their blocks back
-            for seq in self.scheduler.postprocess(output, now):
-                self._retire(seq.request_id)
+            self.scheduler.postprocess(output, now)
         self._steps += 1
-        return list(results.values())
+        return results
 
-    def _speculative_step(self, output: SchedulerOutput) -> list[RequestOutput]:
-        """The one running request's decode, with draft tokens checked in the same forward:
-        room is made for the draft's slots (or the step runs without a draft), the runner
-        verifies, and every accepted token plus the next one is appended, as one output."""
-        chunk = output.chunks[0]
-        seq = chunk.seq
-        generator = self.runner.generator(chunk)
-        draft = self.speculator.propose(seq, generator)
-        if not self.allocator.can_allocate(seq, seq.num_tokens + len(draft)):
-            draft = Draft()
-        self.allocator.grow(seq, seq.num_tokens + len(draft))
-        accepted, token = self.runner.verify(chunk, draft, generator)
-        emitted = draft.tokens[:accepted] + [token]
-        self.speculator.stats.record(len(draft), accepted, len(emitted))
-        now = time.monotonic()
-        outputs: list[RequestOutput] = []
-        try:
-            for t in emitted:
-                outputs.append(self._append(seq, t, now))
-                if seq.is_finished:
-                    break
-            self._generated += len(outputs)
-            chunk.num_tokens = len(outputs)  # so postprocess advances past the accepted tokens only
-        finally:
-            for finished in self.scheduler.postprocess(output, now):
-                self._retire(finished.request_id)
-        self._steps += 1
-        last = outputs[-1]
-        last.new_token_ids = [t for out in outputs for t in out.new_token_ids]
-        last.new_text = "".join(out.new_text for out in outputs)
-        return [last]
-
-    def _append(self, seq: Sequence, token: int, now: float) -> RequestOutput:
-        seq.append_token(token, now)
-        detok = self._detokenizers[seq.request_id]
-        ended_by_token = seq.finish_reason is FinishReason.STOP
-        text = "" if ended_by_token else detok.add(token)
-        if detok.stopped and not seq.is_finished:
-            seq.finish(FinishReason.STOP, now)
+    def _append(self, chunk: ScheduledChunk, tokens: list[int], now: float) -> RequestOutput:
+        """Append a chunk's new tokens (more than one after an accepted draft) up to the one
+        that finishes the request, and turn them into the text now safe to show."""
+        seq, detok = chunk.seq, chunk.seq.detokenizer
+        appended, text = [], []
+        for token in tokens:
+            seq.append_token(token, now)
+            appended.append(token)
+            if seq.finish_reason is not FinishReason.STOP:  # a stop token is not text
+                text.append(detok.add(token))
+            if detok.stopped and not seq.is_finished:
+                seq.finish(FinishReason.STOP, now)
+            if seq.is_finished:
+                break
         if seq.is_finished and not detok.stopped:
-            text += detok.flush()
+            text.append(detok.flush())
+        self._generated += len(appended)
         return RequestOutput(
             seq.request_id,
-            [token],
-            text,
+            appended,
+            "".join(text),
             seq.is_finished,
             seq.finish_reason.value if seq.finish_reason else None,
             seq.prompt_len,
             seq.num_output_tokens,
+            seq.times() if seq.is_finished else None,
         )
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now (its client went away); its blocks return to the pool."""
-        seq = self.scheduler.abort(request_id, time.monotonic())
-        if seq is None:
-            return False
-        self._retire(request_id)
-        return True
+        return self.scheduler.abort(request_id, time.monotonic()) is not None
 
-    def _retire(self, request_id: str) -> None:
-        self._sequences.pop(request_id, None)
-        self._detokenizers.pop(request_id, None)
-        self.runner.forget(request_id)
-        if self.speculator is not None:
-            self.speculator.forget(request_id)
+    @property
+    def unfinished_request_ids(self) -> list[str]:
+        """Every request still waiting or running, oldest first."""
+        return self.scheduler.unfinished_request_ids
 
     def close(self) -> None:
         """Release what outlives the engine's steps: a tensor-parallel model's worker processes."""

@@ -6,6 +6,11 @@ block tables the attention reads through, runs the *same* ``GPT`` the training c
 once, and samples a token for every chunk that reaches the end of its sequence. The LM head,
 a ``d_model x 50,257`` matmul per token, runs only on those rows: a 200-token prompt pays for
 it once, not 200 times.
+
+A decode the scheduler gave lookahead slots is speculative decoding's step (chapter 12): the
+runner drafts into those slots and verifies the draft in the same single forward pass, so it
+returns a list of tokens per chunk: none for a partial prefill, one for most chunks, the
+accepted drafts plus one more for a speculative decode.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ import torch
 
 from minillm.engine.kv_cache import DecodeGroup, PagedAttention, PagedKVPool, PrefillChunk
 from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
+from minillm.engine.speculator import Speculator
 from minillm.model import GPT
-from minillm.sampling import make_generator, sample
+from minillm.sampling import sample
 from minillm.speculative import Draft, accept
 
 
@@ -27,48 +33,54 @@ DECODE_GROUP = 16
 class ModelRunner:
     """Owns the model and the KV pool's storage; knows nothing about who is waiting."""
 
-    def __init__(self, model: GPT, pool: PagedKVPool, attention: str = "torch") -> None:
+    def __init__(self, model: GPT, pool: PagedKVPool, attention: str = "torch",
+                 speculator: Speculator | None = None) -> None:
         self.model, self.pool = model, pool
-        self.attention = attention  # "torch" or "triton": see PagedAttention
-        self.device = model.tok_emb.weight.device
-        self._generators: dict[str, torch.Generator | None] = {}
-
-    def forget(self, request_id: str) -> None:
-        """Drop a finished request's random generator."""
-        self._generators.pop(request_id, None)
+        self.attention = attention  # an ATTENTION_BACKENDS name: see PagedAttention
+        self.speculator = speculator
+        self.device = model.device
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> list[int | None]:
-        """Run one step; returns, per chunk in ``output.chunks`` order, the sampled token, or
-        ``None`` for a chunk that does not reach its sequence's end (a partial prefill)."""
+    def execute(self, output: SchedulerOutput) -> list[list[int]]:
+        """Run one step; returns, per chunk in ``output.chunks`` order, the tokens it produced
+        (see the module docstring). If this raises, no sequence has changed."""
+        if len(output.chunks) == 1 and output.chunks[0].num_lookahead:
+            return [self.speculate(output.chunks[0])]
         decodes = sorted((c for c in output.chunks if c.num_tokens == 1), key=lambda c: c.start)
         prefills = [c for c in output.chunks if c.num_tokens > 1]
         ordered = decodes + prefills
-        tokens, positions, slots = self._flatten(ordered)
+        tokens, positions, slots = self.flatten(ordered)
         attention = PagedAttention(
-            self.pool, slots, self._decode_groups(decodes), self._prefill_chunks(prefills, offset=len(decodes)),
+            self.pool, slots, self.decode_groups(decodes), self._prefill_chunks(prefills, offset=len(decodes)),
             backend=self.attention,
         )
         hidden = self.model.hidden_states(tokens[None], positions[None], attention)[0]
         ends = torch.tensor(_cumulative_ends(ordered), device=self.device)
         wanted = [i for i, c in enumerate(ordered) if c.samples]
-        sampled: dict[int, int] = {}
+        sampled: dict[int, list[int]] = {}
         if wanted:
             logits = self.model.logits(hidden[ends[wanted] - 1]).float()
-            params = [ordered[i].seq.params for i in wanted]
-            generators = [self.generator(ordered[i]) for i in wanted]
-            for i, token in zip(wanted, sample(logits, params, generators).tolist()):
-                sampled[id(ordered[i])] = token
-        return [sampled.get(id(c)) for c in output.chunks]
+            rows = [ordered[i].seq for i in wanted]
+            drawn = sample(logits, [s.params for s in rows], [s.generator for s in rows]).tolist()
+            for i, token in zip(wanted, drawn):
+                sampled[id(ordered[i])] = [token]
+        return [sampled.get(id(c), []) for c in output.chunks]
 
-    @torch.inference_mode()
-    def verify(self, chunk: ScheduledChunk, draft: Draft, generator: torch.Generator | None) -> tuple[int, int]:
+    def speculate(self, chunk: ScheduledChunk) -> list[int]:
+        """A decode with ``chunk.num_lookahead`` reserved slots: draft that many tokens at
+        most, verify them, and return the accepted drafts plus the next token."""
+        draft = self.speculator.propose(chunk.seq, chunk.num_lookahead)
+        accepted, token = self.verify(chunk, draft)
+        self.speculator.stats.record(len(draft), accepted, accepted + 1)
+        return draft.tokens[:accepted] + [token]
+
+    def verify(self, chunk: ScheduledChunk, draft: Draft) -> tuple[int, int]:
         """Speculative decoding's check (chapter 12): run the target once over the sequence's
         last token and the ``draft`` tokens, writing their keys and values into its blocks
-        (which must already hold ``num_tokens + len(draft)`` slots), and return
-        ``(n_accepted, next_token)`` by the acceptance rule. Slots past the accepted tokens hold
-        stale keys until the next step writes over them: the caller advances the computed
-        tokens only past what was accepted."""
+        (which hold ``num_tokens + len(draft)`` slots), and return ``(n_accepted,
+        next_token)`` by the acceptance rule. Slots past the accepted tokens hold stale keys
+        until a later step writes over them: the computed tokens advance only past what was
+        accepted."""
         seq = chunk.seq
         span = ScheduledChunk(seq, seq.num_tokens - 1, 1 + len(draft))
         (prefill,) = self._prefill_chunks([span], offset=0)
@@ -76,9 +88,11 @@ class ModelRunner:
         positions = torch.arange(span.start, span.start + span.num_tokens, device=self.device)
         attention = PagedAttention(self.pool, prefill.slots[span.start :], [], [prefill], backend=self.attention)
         hidden = self.model.hidden_states(tokens[None], positions[None], attention)[0]
-        return accept(self.model.logits(hidden).float(), draft, seq.params, generator)
+        return accept(self.model.logits(hidden).float(), draft, seq.params, seq.generator)
 
-    def _flatten(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def flatten(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's tokens side by side, their positions, and the pool slot each one's key
+        and value go to (``block_table[p // block_size] * block_size + p % block_size``)."""
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -92,20 +106,23 @@ class ModelRunner:
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(tokens), as_tensor(positions), as_tensor(slots)
 
-    def _decode_groups(self, decodes: list[ScheduledChunk]) -> list[DecodeGroup]:
-        """Decodes (already sorted by length) in groups of ``DECODE_GROUP``, each with its
-        block tables padded to the group's longest (with block 0, masked out by length)."""
+    def decode_groups(self, decodes: list[ScheduledChunk], group_size: int | None = None) -> list[DecodeGroup]:
+        """Decodes (already sorted by length) in groups of ``group_size`` (default
+        ``DECODE_GROUP``), each with its block tables padded to the group's longest (with
+        block 0, masked out by length)."""
+        size = group_size or DECODE_GROUP
         bs = self.pool.block_size
         groups = []
-        for start in range(0, len(decodes), DECODE_GROUP):
-            members = decodes[start : start + DECODE_GROUP]
-            lengths = torch.tensor([c.start + 1 for c in members], device=self.device)
-            width = (int(lengths.max()) + bs - 1) // bs
+        for start in range(0, len(decodes), size):
+            members = decodes[start : start + size]
+            lengths = [c.start + 1 for c in members]
+            width = -(-max(lengths) // bs)
             tables = [c.seq.block_table[:width] for c in members]
             blocks = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
-            mask = torch.arange(width * bs, device=self.device)[None, :] < lengths[:, None]
+            length_t = torch.tensor(lengths, device=self.device)
+            mask = torch.arange(width * bs, device=self.device)[None, :] < length_t[:, None]
             groups.append(
-                DecodeGroup(start, start + len(members), width, blocks.flatten(), mask[:, None, None, :], lengths)
+                DecodeGroup(start, start + len(members), width, blocks.flatten(), mask[:, None, None, :], length_t)
             )
         return groups
 
@@ -119,13 +136,6 @@ class ModelRunner:
             chunks.append(PrefillChunk(offset, c.num_tokens, slots))
             offset += c.num_tokens
         return chunks
-
-    def generator(self, chunk: ScheduledChunk) -> torch.Generator | None:
-        """The request's own random generator, made on its first sampled token."""
-        rid = chunk.seq.request_id
-        if rid not in self._generators:
-            self._generators[rid] = make_generator(chunk.seq.params, self.device)
-        return self._generators[rid]
 
 
 def _cumulative_ends(chunks: list[ScheduledChunk]) -> list[int]:

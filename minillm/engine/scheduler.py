@@ -18,6 +18,10 @@ scheduler builds one batch under three limits, ``max_num_seqs`` sequences runnin
    a prompt larger than the remaining budget starts with a partial chunk. The first request
    that does not fit stops admission: nobody overtakes it, so nobody starves.
 
+3. With speculative decoding on, a step whose whole batch is one decode also gets lookahead
+   slots for the draft tokens (:meth:`Scheduler.reserve_lookahead`), so the scheduler stays
+   the only one that hands out blocks.
+
 A request that could never run (an empty prompt, a prompt that fills the context, or one
 needing more blocks than the pool holds) is refused at :meth:`Scheduler.add`.
 """
@@ -39,15 +43,24 @@ class ScheduledChunk:
     ``samples``: this chunk ends at the sequence's last token, so its logits give the next
     token. A decode chunk has ``num_tokens == 1``; a chunked prefill's earlier pieces do not
     sample. It is fixed when the chunk is made, so it stays right after the engine appends.
+
+    ``num_lookahead``: slots reserved past the sequence's end for speculative decoding's draft
+    tokens (vLLM's lookahead slots), which the runner verifies in the same forward pass.
     """
 
     seq: Sequence
     start: int
     num_tokens: int
     samples: bool = field(init=False)
+    num_lookahead: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.samples = self.start + self.num_tokens == self.seq.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token after a finished prompt: the step that generates."""
+        return self.num_tokens == 1 and self.samples and self.start >= self.seq.prompt_len
 
 
 @dataclass
@@ -99,17 +112,23 @@ class Scheduler:
         max_num_batched_tokens: int = 2048,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        num_lookahead_slots: int = 0,
     ) -> None:
+        """``num_lookahead_slots``: draft tokens a lone decode may verify per step (0: no
+        speculative decoding; see :meth:`reserve_lookahead`)."""
         if min(max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
             raise ValueError(
                 "max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1, got "
                 f"{max_num_seqs}, {max_num_batched_tokens}, {max_model_len}"
             )
+        if num_lookahead_slots < 0:
+            raise ValueError(f"num_lookahead_slots must be >= 0, got {num_lookahead_slots}")
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.num_lookahead_slots = num_lookahead_slots
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -155,15 +174,35 @@ class Scheduler:
         """Choose this step's chunks: running sequences first, then admissions (see the module
         docstring). Blocks for every chunk are allocated before it is returned."""
         out = SchedulerOutput()
-        self._schedule_running(out)
+        self.schedule_running(out)
         if not out.preempted:
-            self._admit_waiting(out, now)
+            self.admit_waiting(out, now)
+        if self.num_lookahead_slots:
+            self.reserve_lookahead(out)
         return out
+
+    def reserve_lookahead(self, out: SchedulerOutput) -> None:
+        """Room for draft tokens, when this step's whole batch is one decode.
+
+        Speculation pays only there: a batched step already spends the slack of a memory-bound
+        decode that drafts would spend (chapter 12). The draft is cut to what the request can
+        still use (each round emits the accepted drafts plus one token, within ``max_tokens``
+        and the context), and it is only ever given free blocks: no one is preempted for it.
+        """
+        if len(out.chunks) != 1 or not out.chunks[0].is_decode:
+            return
+        chunk = out.chunks[0]
+        seq = chunk.seq
+        room = min(self.num_lookahead_slots, seq.params.max_tokens - seq.num_output_tokens - 1,
+                   self.max_model_len - seq.num_tokens - 1)
+        if room > 0 and self.allocator.can_allocate(seq, seq.num_tokens + room):
+            self.allocator.grow(seq, seq.num_tokens + room)
+            chunk.num_lookahead = room
 
     def _budget_left(self, out: SchedulerOutput) -> int:
         return self.max_num_batched_tokens - out.num_batched_tokens
 
-    def _schedule_running(self, out: SchedulerOutput) -> None:
+    def schedule_running(self, out: SchedulerOutput) -> None:
         """One chunk per running sequence, oldest first, while the token budget lasts.
         Preemption takes sequences from the end of ``running``, which this loop has not
         reached yet, so no scheduled chunk ever loses its blocks."""
@@ -171,23 +210,23 @@ class Scheduler:
         while i < len(self.running) and self._budget_left(out) > 0:
             seq = self.running[i]
             end = min(seq.num_tokens, seq.num_computed_tokens + self._budget_left(out))
-            if not self._make_room(seq, end, out):
+            if not self.make_room(seq, end, out):
                 break  # seq itself was the newest and is now preempted: nobody after it
             out.add(ScheduledChunk(seq, seq.num_computed_tokens, end - seq.num_computed_tokens))
             i += 1
 
-    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+    def make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Give ``seq`` blocks for ``num_tokens`` tokens, preempting the newest running
         sequences until it fits. False if ``seq`` itself had to go."""
         while not self.allocator.can_allocate(seq, num_tokens):
             victim = self.running[-1]
-            self._preempt(victim, out)
+            self.preempt(victim, out)
             if victim is seq:
                 return False
         self.allocator.grow(seq, num_tokens)
         return True
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Take back all of ``seq``'s blocks and queue it first, to recompute later. Its
         tokens are kept, so the recompute is simply a prefill of prompt + output so far (its
         full blocks stay in the prefix cache until evicted, so it may get many back)."""
@@ -200,13 +239,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
-    def _admit_waiting(self, out: SchedulerOutput, now: float) -> None:
+    def admit_waiting(self, out: SchedulerOutput, now: float) -> None:
         """Admit waiting sequences in order until the first that does not fit."""
         while self.waiting and len(self.running) < self.max_num_seqs and self._budget_left(out) > 0:
             seq = self.waiting[0]
             shared = self.allocator.match_prefix(seq)
             start = len(shared) * self.allocator.block_size
-            num_tokens = self._first_chunk_size(seq.num_tokens - start, self._budget_left(out))
+            num_tokens = self.first_chunk_size(seq.num_tokens - start, self._budget_left(out))
             if num_tokens == 0 or not self.allocator.can_allocate(seq, start + num_tokens, shared):
                 return
             self.waiting.popleft()
@@ -217,7 +256,7 @@ class Scheduler:
             self.running.append(seq)
             out.add(ScheduledChunk(seq, start, num_tokens))
 
-    def _first_chunk_size(self, to_compute: int, budget: int) -> int:
+    def first_chunk_size(self, to_compute: int, budget: int) -> int:
         """Tokens to compute at admission, or 0 if the sequence must wait for a later step.
 
         Without chunked prefill a prefill runs whole, except one that could never fit in a
@@ -239,6 +278,11 @@ class Scheduler:
         sequences that finished. ``now`` is the step's end time, kept in the signature so the
         engine's call stays the same for policies that use it (this one needs no clock).
 
+        A chunk that sampled leaves every token of its sequence computed but the newest, which
+        is the next step's input; with speculation that includes the draft tokens accepted in
+        the same pass (the rejected ones' slots are simply written over later). A chunk that
+        did not sample (a piece of a prefill) advances by its size.
+
         A sequence aborted while the step ran was already retired by :meth:`abort`: skipped.
         """
         finished = []
@@ -246,7 +290,10 @@ class Scheduler:
             seq = chunk.seq
             if seq.finish_reason is FinishReason.ABORT:
                 continue
-            seq.num_computed_tokens += chunk.num_tokens
+            if chunk.samples:
+                seq.num_computed_tokens = seq.num_tokens - 1
+            else:
+                seq.num_computed_tokens += chunk.num_tokens
             self.allocator.commit(seq)  # before freeing, so a finished prompt can still be hit
             if seq.is_finished:
                 self.allocator.free(seq)
@@ -277,6 +324,11 @@ class Scheduler:
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def unfinished_request_ids(self) -> list[str]:
+        """Every waiting or running request's id, in arrival order."""
+        return list(self._requests)
 
     @property
     def num_running(self) -> int:

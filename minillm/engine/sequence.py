@@ -10,6 +10,9 @@ rest is bookkeeping that the scheduler and the allocator need:
 - ``num_computed_tokens``: how many leading tokens already have their K/V in those blocks.
   Everything after them still has to go through the model.
 - timestamps, so the server can report queue time, time to first token and inter-token latency.
+- what the request owns while it lives: its detokenizer, its random generator and, with
+  speculative decoding, its drafter. The sequence is the request's one record: finishing a
+  request is dropping this object, with nothing keyed by its id left to clean up elsewhere.
 
 The one rule that is not bookkeeping lives in :meth:`Sequence.append_token`: when to stop.
 """
@@ -18,8 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING, Any
 
 from minillm.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from minillm.detokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(Enum):
@@ -37,6 +46,32 @@ class FinishReason(str, Enum):
     STOP = "stop"  # the end-of-text token, a stop token id, or a stop string
     LENGTH = "length"  # max_tokens generated, or the model's context is full
     ABORT = "abort"  # the client went away or cancelled
+
+
+@dataclass(frozen=True)
+class RequestTimes:
+    """A request's timestamps (``time.monotonic()`` seconds), as the server reports them."""
+
+    arrival: float
+    first_scheduled: float
+    first_token: float
+    finish: float
+    token_times: tuple[float, ...]
+
+    @property
+    def queue_time(self) -> float:
+        return self.first_scheduled - self.arrival
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+    @property
+    def e2e(self) -> float:
+        return self.finish - self.arrival
+
+    def inter_token_latencies(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
 
 @dataclass(eq=False)
@@ -65,6 +100,9 @@ class Sequence:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
+    detokenizer: IncrementalDetokenizer | None = None  # set by the engine, which knows the tokenizer
+    generator: torch.Generator | None = None  # None for greedy requests (see sampling.make_generator)
+    drafter: Any = None  # speculative decoding's per-request state, made on its first draft
 
     @classmethod
     def from_prompt(
@@ -95,6 +133,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def times(self) -> RequestTimes:
+        """The timestamps so far; a stamp not reached yet reads as the arrival time."""
+        arrival = self.arrival_time
+        return RequestTimes(arrival, self.first_scheduled_time or arrival, self.first_token_time or arrival,
+                            self.finish_time or arrival, tuple(self.token_times))
 
     def append_token(self, token: int, now: float) -> None:
         """Add one sampled token, record when it came, and finish if it ends the request.

@@ -24,7 +24,7 @@ triton, tl = load_triton()
 
 
 @triton.jit
-def _flash_forward(
+def flash_forward_kernel(
     Q, K, V, O,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
     n_heads, t_q, t_k, head_dim, scale_log2,
@@ -95,7 +95,7 @@ def flash_attention(
     batch, heads, t_q, d = q.shape
     out = torch.empty_like(q)
     grid = (triton.cdiv(t_q, block_m), batch * heads)
-    _flash_forward[grid](
+    flash_forward_kernel[grid](
         q, k, v, out,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         heads, t_q, k.shape[2], d, math.log2(math.e) / math.sqrt(d),

@@ -24,7 +24,7 @@ triton, tl = load_triton()
 
 
 @triton.jit
-def _paged_decode(
+def paged_decode_kernel(
     Q, K_POOL, V_POOL, TABLES, LENGTHS, O,
     sqb, sqh, skn, sks, skh, svn, svs, svh, stb, sob, soh,
     head_dim, scale,
@@ -79,7 +79,7 @@ def paged_decode_attention(
     q = q if q.stride(-1) == 1 else q.contiguous()
     batch, heads, d = q.shape
     out = torch.empty_like(q)
-    _paged_decode[(batch, heads)](
+    paged_decode_kernel[(batch, heads)](
         q, k_pool, v_pool, block_tables, lengths, out,
         q.stride(0), q.stride(1), *k_pool.stride()[:3], *v_pool.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1),

@@ -1,0 +1,39 @@
+"""Flags that environment variables can set too: ``--max-queue`` or ``MINILLM_MAX_QUEUE``.
+
+Shared by the server's and the router's settings. The router is a plain HTTP proxy that must
+start without torch, so this module imports only the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, fields
+from typing import Callable, Mapping, Sequence
+
+ENV_PREFIX = "MINILLM_"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def env_name(flag: str, prefix: str = ENV_PREFIX) -> str:
+    """``--max-queue`` -> ``MINILLM_MAX_QUEUE``."""
+    return prefix + flag.lstrip("-").replace("-", "_").upper()
+
+
+def dataclass_defaults(cls: type) -> dict[str, object]:
+    """A settings dataclass's field defaults, without building one (its checks may need input)."""
+    return {f.name: f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+            for f in fields(cls) if f.default is not MISSING or f.default_factory is not MISSING}
+
+
+def add_env_flags(parser: argparse.ArgumentParser, flags: list[tuple[str, Callable[[str], object], str]],
+                  defaults: dict[str, object], environ: Mapping[str, str], prefix: str = ENV_PREFIX,
+                  choices: Mapping[str, Sequence[str]] | None = None) -> None:
+    """Add ``(flag, type, help)`` flags whose defaults come from ``defaults``, or from the
+    environment variable ``env_name(flag, prefix)`` when it is set. The variable's value becomes
+    the default as a string, so argparse converts and checks it exactly as it would the flag."""
+    for flag, kind, text in flags:
+        dest = flag.lstrip("-").replace("-", "_")
+        variable = env_name(flag, prefix)
+        shown = "" if defaults[dest] is None else "; default: %(default)s"  # never echo a key
+        parser.add_argument(flag, type=kind, default=environ.get(variable, defaults[dest]),
+                            choices=(choices or {}).get(flag), help=f"{text} [env {variable}{shown}]")
