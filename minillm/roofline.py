@@ -164,7 +164,7 @@ def time_decode_step(model: GPT, batch: int, context: int, repeats: int = 5) -> 
     """Median seconds of one real decode step of ``model``: ``batch`` new tokens at position
     ``context`` over a contiguous KV cache holding ``context`` tokens each. The cache's keys are
     zeros, which costs the same to read as real ones."""
-    device = model.device
+    device = model.tok_emb.weight.device
     cache = ContiguousKVCache(model, batch, context + 1)
     tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
     positions = torch.full((batch, 1), context, device=device)
