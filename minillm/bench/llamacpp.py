@@ -1,0 +1,213 @@
+"""llama.cpp as the yardstick: its own benchmarks and its greedy tokens, on our exported GGUF.
+
+``make llamacpp`` builds three of llama.cpp's programs into ``.cache/llama.cpp/bin`` (or point
+``MINILLM_LLAMACPP_BIN`` at a folder that holds them):
+
+- ``llama-bench`` measures one sequence's decode rate, named as llama.cpp names it (``tg128``:
+  128 generated tokens after an empty prompt), over several repetitions;
+- ``llama-batched-bench`` decodes ``B`` sequences at once after an ``npp``-token prompt each,
+  the batch sizes our engine is measured at;
+- ``llama-server`` answers ``/completion`` with the generated token ids, so its greedy
+  continuation of a prompt can be compared with ours token for token.
+
+Each helper raises :class:`LlamaCppError` with a message that says what failed (a missing
+binary, the program's own last lines of output), never a bare subprocess traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from minillm.gguf_export import gguf_context_length
+from minillm.settings import home
+
+BIN_ENV = "MINILLM_LLAMACPP_BIN"
+BINARIES = ("llama-bench", "llama-batched-bench", "llama-server")
+BATCH_SIZES = (1, 8, 32, 64)
+
+
+class LlamaCppError(RuntimeError):
+    """A llama.cpp program is missing, failed, or answered something we cannot read."""
+
+
+def bin_dir() -> Path:
+    """Where the llama.cpp programs are: ``$MINILLM_LLAMACPP_BIN``, else ``make llamacpp``'s output."""
+    return Path(os.environ.get(BIN_ENV) or home() / ".cache" / "llama.cpp" / "bin")
+
+
+def binary(name: str) -> Path:
+    """The path of one llama.cpp program, or an error that says how to get it."""
+    path = bin_dir() / name
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise LlamaCppError(f"{name} not found in {bin_dir()}: build it with `make llamacpp`, or set {BIN_ENV}")
+    return path
+
+
+def available() -> bool:
+    """True when every program these helpers run is there."""
+    return all((bin_dir() / name).is_file() and os.access(bin_dir() / name, os.X_OK) for name in BINARIES)
+
+
+def _model(gguf_path: str | Path, positions: int | None = None) -> Path:
+    """The GGUF file, checked to exist and, given ``positions``, to have that many: a GPT-2
+    model has a learned table of positions, and llama.cpp cannot run past its end."""
+    path = Path(gguf_path)
+    if not path.is_file():
+        raise LlamaCppError(f"no GGUF file at {path} (write one with minillm.gguf_export.export_gguf)")
+    if positions is not None and positions > (context := gguf_context_length(path)):
+        raise LlamaCppError(f"{positions} positions are beyond the model's context of {context}")
+    return path
+
+
+def _tail(text: str, lines: int = 15) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _run(args: list[str], timeout: float) -> str:
+    """Run a llama.cpp program and return its standard output, or raise with its last words."""
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise LlamaCppError(f"{Path(args[0]).name} did not finish within {timeout:.0f} s") from None
+    if done.returncode != 0:
+        raise LlamaCppError(
+            f"{Path(args[0]).name} exited with status {done.returncode}:\n{_tail(done.stderr + done.stdout)}"
+        )
+    return done.stdout
+
+
+def llama_bench_tg(
+    gguf_path: str | Path, n_gen: int = 128, *, threads: int = 2, repetitions: int = 5, timeout: float = 1800
+) -> float:
+    """Batch-1 decode rate in tokens/s: ``llama-bench``'s ``tg{n_gen}`` row (no prompt, the
+    mean over ``repetitions`` runs)."""
+    model = _model(gguf_path, n_gen)
+    out = _run([str(binary("llama-bench")), "-m", str(model), "-p", "0", "-n", str(n_gen), "-t", str(threads),
+                "-r", str(repetitions), "-o", "json"], timeout)
+    try:
+        rows = json.loads(out)
+        return next(float(r["avg_ts"]) for r in rows if r["n_prompt"] == 0 and r["n_gen"] == n_gen)
+    except (ValueError, KeyError, TypeError, StopIteration):
+        raise LlamaCppError(f"llama-bench printed no tg{n_gen} row:\n{_tail(out)}") from None
+
+
+def batched_bench_tg(
+    gguf_path: str | Path,
+    batch_sizes: Sequence[int] = BATCH_SIZES,
+    *,
+    n_prompt: int = 16,
+    n_gen: int = 128,
+    threads: int = 2,
+    timeout: float = 3600,
+) -> dict[int, float]:
+    """Decode rate in tokens/s (all sequences together) for each batch size: ``llama-batched-bench``
+    runs ``B`` sequences of ``n_prompt`` prompt tokens, then ``n_gen`` steps that each decode one
+    token for every sequence; its ``S_TG`` is ``B * n_gen`` over those steps' time.
+
+    The KV cache is sized for the largest batch (``-c``): llama-batched-bench silently skips any
+    batch that does not fit, so a missing row is an error here."""
+    model = _model(gguf_path, n_prompt + n_gen)
+    kv_cells = max(batch_sizes) * (n_prompt + n_gen)
+    out = _run([str(binary("llama-batched-bench")), "-m", str(model), "-c", str(kv_cells),
+                "-npp", str(n_prompt), "-ntg", str(n_gen), "-npl", ",".join(map(str, batch_sizes)),
+                "-t", str(threads), "--output-format", "jsonl"], timeout)
+    rates: dict[int, float] = {}
+    for line in out.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            rates[int(row["pl"])] = float(row["speed_tg"])
+    missing = [b for b in batch_sizes if b not in rates]
+    if missing:
+        raise LlamaCppError(f"llama-batched-bench reported no row for batch sizes {missing}:\n{_tail(out)}")
+    return {b: rates[b] for b in batch_sizes}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Straight to 127.0.0.1: an http_proxy in the environment must not carry local requests away.
+_LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _post(url: str, body: dict, timeout: float) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with _LOCAL.open(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+@contextmanager
+def llama_server(gguf_path: str | Path, *, threads: int = 2, startup_timeout: float = 120) -> Iterator[str]:
+    """``llama-server`` on a free local port for the ``with`` block; yields its base URL.
+
+    One slot, the model's own context, and an ``f32`` KV cache: llama.cpp's default ``f16``
+    cache rounds every key and value, which is a difference in the cache, not in the model."""
+    port = _free_port()
+    args = [str(binary("llama-server")), "-m", str(_model(gguf_path)), "--host", "127.0.0.1",
+            "--port", str(port), "-np", "1", "-t", str(threads), "-ctk", "f32", "-ctv", "f32", "--no-webui"]
+    log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would stall the server
+    server = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if server.poll() is not None:
+                log.seek(0)
+                raise LlamaCppError(f"llama-server exited with status {server.returncode}:\n{_tail(log.read())}")
+            try:
+                with _LOCAL.open(f"{url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass  # still loading (503) or not listening yet
+            if time.monotonic() > deadline:
+                raise LlamaCppError(f"llama-server was not ready within {startup_timeout:.0f} s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+
+
+def server_greedy_tokens(url: str, prompt_ids: Sequence[int], n: int, timeout: float = 300) -> list[int]:
+    """The running server's greedy continuation of ``prompt_ids``: up to ``n`` token ids, ending
+    early after ``<|endoftext|>`` (included, as our ``stop_token`` includes it)."""
+    body = {"prompt": list(prompt_ids), "n_predict": n, "temperature": 0.0, "top_k": 1,
+            "return_tokens": True, "cache_prompt": False, "stream": False}
+    try:
+        answer = _post(f"{url}/completion", body, timeout)
+    except urllib.error.HTTPError as err:
+        raise LlamaCppError(f"llama-server refused the request ({err.code}): {err.read().decode()[:500]}") from None
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
+        raise LlamaCppError(f"llama-server did not answer: {err}") from None
+    if not isinstance(answer.get("tokens"), list):
+        raise LlamaCppError(f"llama-server's answer has no token ids: {str(answer)[:500]}")
+    return [int(t) for t in answer["tokens"]]
+
+
+def greedy_tokens(gguf_path: str | Path, prompt_ids: Sequence[int], n: int, *, threads: int = 2) -> list[int]:
+    """llama.cpp's greedy continuation of ``prompt_ids`` by up to ``n`` tokens, from a
+    ``llama-server`` started for this one request (use :func:`llama_server` for many)."""
+    if not prompt_ids:
+        raise ValueError("the prompt must hold at least one token")
+    binary("llama-server")  # a missing program is the first thing to say
+    _model(gguf_path, len(prompt_ids) + n)
+    with llama_server(gguf_path, threads=threads) as url:
+        return server_greedy_tokens(url, prompt_ids, n)
