@@ -20,12 +20,14 @@ import torch
 from minillm.config import ModelConfig
 from minillm.detokenizer import IncrementalDetokenizer
 from minillm.engine.block_allocator import BlockAllocator
+from minillm.engine.decode_graphs import DecodeGraphs, capture_unsupported
 from minillm.engine.kv_cache import ATTENTION_BACKENDS, PagedKVPool, blocks_for_memory
 from minillm.engine.model_runner import ModelRunner
 from minillm.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from minillm.engine.sequence import FinishReason, RequestTimes, Sequence
 from minillm.engine.speculator import Speculator
 from minillm.model import GPT
+from minillm.packed import pack_weights, packing_unsupported
 from minillm.sampling import SamplingParams, make_generator
 from minillm.tokenizer import Tokenizer, get_tokenizer
 from minillm.units import parse_memory
@@ -54,6 +56,16 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     attention: str = "torch"  # "triton": chapter 13's kernels (CUDA, or the interpreter on a CPU)
+    # Decode-only steps as captured programs (minillm.engine.decode_graphs): True keeps every
+    # step eager (the reference); False captures them wherever the model allows (not a
+    # tensor-parallel or quantized one); None captures where it is cheap: a CUDA graph records
+    # in well under a second, while Inductor compiles for about half a minute per batch bucket
+    # on a small CPU, which a server pays once and a notebook should not.
+    enforce_eager: bool | None = None
+    # Run a copy of the model whose matrices are prepacked for oneDNN (minillm.packed): True
+    # insists, False keeps the weights as they are, None packs wherever it is supported (a
+    # float32 model on a CPU) unless enforce_eager asks for the plain reference path.
+    pack_weights: bool | None = None
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_BACKENDS:
@@ -138,7 +150,8 @@ class LLMEngine:
                 f"tensor_parallel_size={config.tensor_parallel_size} needs the model split over that many "
                 "processes: build the engine with minillm.engine.build_engine (or LLM), which starts them"
             )
-        self.model = model.eval()
+        self.model = _engine_model(model.eval(), config)
+        model = self.model
         self.config = config
         self.tokenizer = tokenizer or get_tokenizer()
         if config.attention == "triton":  # fail now, not in the first request
@@ -154,9 +167,21 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             num_lookahead_slots=speculator.k if speculator is not None else 0,
         )
-        self.runner = ModelRunner(model, self.pool, config.attention, speculator)
+        self.graphs, self.eager_reason = self._decode_graphs(model, config)
+        self.runner = ModelRunner(model, self.pool, config.attention, speculator, self.graphs)
         self._steps = self._prefill_tokens = self._generated = 0
         self.last_step: SchedulerOutput | None = None  # what the latest step ran, for timelines and dashboards
+
+    def _decode_graphs(self, model: GPT, config: EngineConfig) -> tuple[DecodeGraphs | None, str | None]:
+        """The captured decode programs when ``config`` asks for them (see ``enforce_eager``)
+        and the model is one they can run, their buckets covering ``max_num_seqs`` rows; or
+        None and the reason every step runs eagerly."""
+        if config.enforce_eager or (config.enforce_eager is None and model.device.type != "cuda"):
+            return None, "enforce_eager" if config.enforce_eager else "a CPU compiles only when asked (enforce_eager=False)"
+        reason = capture_unsupported(model)
+        if reason is not None:
+            return None, reason
+        return DecodeGraphs(model, self.pool, config.max_num_seqs, config.attention), None
 
     @property
     def speculator(self) -> Speculator | None:
@@ -268,6 +293,19 @@ class LLMEngine:
             prefill_tokens=self._prefill_tokens,
             generated_tokens=self._generated,
         )
+
+
+def _engine_model(model: GPT, config: EngineConfig) -> GPT:
+    """The model the engine runs: ``model`` itself, or its weight-packed copy (``pack_weights``)."""
+    pack = config.pack_weights if config.pack_weights is not None else not config.enforce_eager
+    if not pack:
+        return model
+    reason = packing_unsupported(model)
+    if reason is None:
+        return pack_weights(model)
+    if config.pack_weights:
+        raise ValueError(f"pack_weights=True: {reason}")
+    return model
 
 
 def _require_triton(device: torch.device) -> None:

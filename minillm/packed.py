@@ -1,0 +1,126 @@
+"""Weights laid out for the CPU's matrix kernels: oneDNN's prepacked linear.
+
+A linear layer multiplies activations ``[B, in]`` by a weight stored ``[out, in]``. For the
+small ``B`` of decoding, PyTorch's default CPU product (MKL's ``sgemm`` on the weight as it is
+stored) reads that weight well below the memory's speed: on a 2-core AVX2 machine the LM
+head (``50,257 x 512``, 103 MB in fp32) takes 9 ms at batch 1 and 25 ms at batch 8, that is
+11 and 4 GB/s. oneDNN can reorder a weight once into the blocked layout its kernels stream
+through (``torch.ops.mkldnn._reorder_linear_weight``) and multiply by it directly
+(``_linear_pointwise``): the same head then takes 5 and 7 ms.
+
+:func:`pack_weights` returns the model the engine runs: a copy whose ``nn.Linear`` layers and
+tied output matrix use prepacked weights, and which shares every parameter tensor with the
+original (the packed copies are the only new memory, one more copy of the matrices). The
+product is :func:`packed_linear`, a ``torch.library`` operator, so a compiled decode step can
+call it as one node. Only float32 on a CPU: oneDNN's bf16 kernels need AVX-512 or AVX-NE
+instructions, and on a GPU cuBLAS reads the weights as they are.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minillm.model import GPT, TokenEmbedding
+
+# Packed copies by (address, shape) of the weight they were made from, with how many modules
+# use each. A compiled graph may hand the operator an alias of the parameter rather than the
+# parameter itself; the address and shape name the same weight either way, and cannot be
+# reused by another tensor while a module holding the weight is alive. Packing is a snapshot:
+# a weight changed in place afterwards (training, load_state_dict) leaves its copy stale.
+_PACKED: dict[tuple[int, tuple[int, ...]], list] = {}
+
+
+def _key(weight: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+    return weight.data_ptr(), tuple(weight.shape)
+
+
+@torch.library.custom_op("minillm::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through ``weight``'s prepacked copy. A weight with no packed
+    copy (it was cast or moved after packing) takes the plain product: same result, slower."""
+    entry = _PACKED.get(_key(weight))
+    if entry is None:
+        return F.linear(x, weight, bias)
+    packed = entry[0]
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@packed_linear.register_fake
+def _(x, weight, bias):  # noqa: ANN001
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _pack(owner: nn.Module, weight: torch.Tensor) -> None:
+    """Pack ``weight`` for as long as ``owner`` (or another module packing it) lives."""
+    key = _key(weight)
+    if key in _PACKED:
+        _PACKED[key][1] += 1
+    else:
+        _PACKED[key] = [torch.ops.mkldnn._reorder_linear_weight(weight.detach()), 1]
+    weakref.finalize(owner, _release, key)
+
+
+def _release(key: tuple[int, tuple[int, ...]]) -> None:
+    entry = _PACKED[key]
+    entry[1] -= 1
+    if not entry[1]:
+        del _PACKED[key]
+
+
+class PackedLinear(nn.Module):
+    """An ``nn.Linear`` whose product reads a prepacked copy of the (shared) weight."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        _pack(self, self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x, self.weight, self.bias)
+
+
+class PackedTokenEmbedding(TokenEmbedding):
+    """The token table: rows looked up as stored, the tied projection through a packed copy."""
+
+    def __init__(self, embedding: TokenEmbedding) -> None:
+        super().__init__(embedding.num_embeddings, embedding.embedding_dim, _weight=embedding.weight)
+        self.weight = embedding.weight
+        _pack(self, self.weight)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        return packed_linear(hidden, self.weight, None)
+
+
+def packing_unsupported(model: nn.Module) -> str | None:
+    """Why ``model`` cannot have packed weights, or None if it can."""
+    if not isinstance(model, GPT) or getattr(model, "world_size", 1) != 1:
+        return "only a single-process GPT packs its weights"
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return "weights are packed for float32 on a CPU only"
+    if not torch.backends.mkldnn.is_available():
+        return "this PyTorch has no oneDNN"
+    if type(model.tok_emb) is not TokenEmbedding or any(not t.is_floating_point() for t in model.buffers()):
+        return "a quantized model keeps its own kernels"
+    return None
+
+
+def pack_weights(model: GPT) -> GPT:
+    """A copy of ``model`` that shares its parameters and multiplies through packed weights."""
+    reason = packing_unsupported(model)
+    if reason is not None:
+        raise ValueError(reason)
+    shared = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    packed = copy.deepcopy(model, memo=shared)
+    for module in list(packed.modules()):
+        for name, child in module.named_children():
+            if type(child) is nn.Linear:
+                setattr(module, name, PackedLinear(child))
+    packed.tok_emb = PackedTokenEmbedding(packed.tok_emb)
+    return packed

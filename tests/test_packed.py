@@ -1,0 +1,75 @@
+"""Prepacked oneDNN weights: the same numbers as the plain model, the same parameters, and
+nothing left packed once the model that used them is gone."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+
+from minillm import packed
+from minillm.config import get_preset
+from minillm.engine import LLM
+from minillm.model import GPT
+from minillm.packed import PackedLinear, PackedTokenEmbedding, pack_weights, packing_unsupported
+from minillm.sampling import SamplingParams
+
+
+def _model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(get_preset("tiny")).eval()
+
+
+@torch.inference_mode()
+def test_a_packed_model_computes_what_the_plain_one_does_and_shares_its_parameters():
+    model = _model()
+    fast = pack_weights(model)
+    tokens = torch.randint(0, 50257, (3, 9))
+    torch.testing.assert_close(fast(tokens), model(tokens), rtol=1e-5, atol=1e-5)
+    assert {id(p) for p in fast.parameters()} == {id(p) for p in model.parameters()}
+    assert isinstance(fast.blocks[0].mlp.fc, PackedLinear) and isinstance(fast.tok_emb, PackedTokenEmbedding)
+    assert type(model.blocks[0].mlp.fc) is nn.Linear  # the original is untouched
+
+
+def test_packed_copies_live_as_long_as_the_modules_that_use_them():
+    model = _model()
+    before = len(packed._PACKED)
+    first, second = pack_weights(model), pack_weights(model)
+    linears = sum(isinstance(m, nn.Linear) for m in model.modules()) + 1  # and the tied head
+    assert len(packed._PACKED) == before + linears
+    del first
+    gc.collect()
+    assert len(packed._PACKED) == before + linears  # the second copy still uses them
+    del second
+    gc.collect()
+    assert len(packed._PACKED) == before
+
+
+@torch.inference_mode()
+def test_a_weight_changed_after_packing_falls_back_to_the_plain_product():
+    fast = pack_weights(_model())
+    layer = fast.blocks[0].attn.qkv
+    x = torch.randn(2, layer.weight.shape[1])
+    layer.weight.data = layer.weight.data * 2  # a new tensor: its address has no packed copy
+    torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_the_engine_packs_by_default_on_a_cpu_and_not_for_the_reference_path():
+    model = _model()
+    prompts = [[5, 6, 7], [100, 200, 300, 400, 500]]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    fast, plain = LLM(model, num_blocks=16, block_size=4), LLM(model, num_blocks=16, block_size=4, enforce_eager=True)
+    assert isinstance(fast.engine.model.tok_emb, PackedTokenEmbedding)
+    assert plain.engine.model is model
+    assert [o.token_ids for o in fast.generate(prompts, greedy, use_tqdm=False)] == \
+        [o.token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
+
+
+def test_what_cannot_be_packed_says_why():
+    assert "float32" in packing_unsupported(_model().to(torch.bfloat16))
+    assert packing_unsupported(_model()) is None
+    with pytest.raises(ValueError, match="float32"):
+        LLM(_model().to(torch.bfloat16), num_blocks=8, pack_weights=True)
+    assert LLM(_model().to(torch.bfloat16), num_blocks=8).engine.model.dtype == torch.bfloat16  # unpacked
