@@ -44,7 +44,18 @@ def build(config: ServerConfig) -> LLMEngine:
         raise UsageError(str(err)) from None
 
 
-def banner(config: ServerConfig, port: int) -> str:
+def prepare_decode(engine: LLMEngine) -> str:
+    """Compile or record every decode bucket now, before the first request would wait for
+    one; returns the banner's line about it (how long it took says whether a cache served)."""
+    graphs = engine.graphs
+    if graphs is None:
+        return f"decode steps run eagerly ({engine.eager_reason})"
+    seconds = graphs.prepare()
+    what = "CUDA graphs recorded" if graphs.mode == "cuda-graph" else "compiled with torch.compile"
+    return f"decode steps {what} for batches of {graphs.buckets[0]}..{graphs.max_batch} in {seconds:.1f} s"
+
+
+def banner(config: ServerConfig, port: int, decode: str = "") -> str:
     """What to paste to try the server: its URL, a curl command and an ``openai`` snippet.
     A key is never printed (stdout often ends up in logs): with one, both snippets read it
     from ``OPENAI_API_KEY``, where the ``openai`` client looks by default."""
@@ -56,7 +67,7 @@ def banner(config: ServerConfig, port: int) -> str:
         key_note = "  (an API key is required: export OPENAI_API_KEY=<the key> where the client runs)\n"
     return f"""
 minillm is serving {name!r} at {url}   (Ctrl+C to stop)
-{key_note}
+{key_note}{"  " + decode + chr(10) if decode else ""}
   curl {url}/v1/completions -H "Content-Type: application/json"{curl_auth} \\
     -d '{{"model": "{name}", "prompt": "Once upon a time", "max_tokens": 40, "stream": true}}'
 
@@ -88,7 +99,7 @@ async def serve(app: web.Application, config: ServerConfig, stop: asyncio.Event,
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-async def _serve_until_signalled(app: web.Application, config: ServerConfig) -> None:
+async def _serve_until_signalled(app: web.Application, config: ServerConfig, decode: str) -> None:
     """Serve until the first SIGINT or SIGTERM. The handlers are then removed, so a second
     Ctrl+C stops at once instead of waiting out the grace period."""
     stop = asyncio.Event()
@@ -101,7 +112,7 @@ async def _serve_until_signalled(app: web.Application, config: ServerConfig) -> 
 
     for sig in SIGNALS:
         loop.add_signal_handler(sig, on_signal)
-    await serve(app, config, stop, lambda port: print(banner(config, port), flush=True))
+    await serve(app, config, stop, lambda port: print(banner(config, port, decode), flush=True))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -109,7 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = build(config)
     try:
-        asyncio.run(_serve_until_signalled(create_app(engine, config), config))
+        decode = prepare_decode(engine)
+        log.info(decode)
+        asyncio.run(_serve_until_signalled(create_app(engine, config), config, decode))
     finally:
         engine.close()  # a tensor-parallel model's workers
     return 0

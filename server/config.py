@@ -50,6 +50,7 @@ class ServerConfig:
     speculative_draft: str | None = None
     num_speculative_tokens: int = 4
     quantize: str | None = None
+    enforce_eager: bool | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -82,6 +83,7 @@ class ServerConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             tensor_parallel_size=self.tensor_parallel_size,
             attention=self.attention,
+            enforce_eager=self.enforce_eager,
         )
 
 
@@ -135,6 +137,10 @@ FLAGS: list[tuple[str, Callable[[str], object], str]] = [
                                  "prompt lookup; it runs on steps that decode a single request, while batched "
                                  "steps decode one token per request as usual"),
     ("--num-speculative-tokens", int, "draft tokens per speculative step (with --speculative-draft)"),
+    ("--enforce-eager", bool, "run every step eagerly (the reference path); --no-enforce-eager runs decode-only "
+                              "steps as captured programs: CUDA graphs, or on a CPU torch.compile (about half a "
+                              "minute per batch bucket the first time, cached in .cache/inductor). Default: CUDA "
+                              "graphs on a GPU, eager on a CPU"),
     ("--quantize", _scheme, "int8 | int4: weight-only quantization of the model's matrices (chapter 11); "
                             "activations are then bf16 unless --dtype says otherwise"),
 ]
@@ -154,7 +160,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
     """Flags and environment to a checked ``ServerConfig``; any problem is a ``UsageError``."""
-    args = build_parser(environ).parse_args(argv)
+    try:
+        args = build_parser(environ).parse_args(argv)
+    except ValueError as err:  # an environment variable argparse never saw
+        raise UsageError(str(err)) from None
     try:
         return ServerConfig(**vars(args))
     except ValueError as err:

@@ -19,6 +19,17 @@ def env_name(flag: str, prefix: str = ENV_PREFIX) -> str:
     return prefix + flag.lstrip("-").replace("-", "_").upper()
 
 
+SWITCH_VALUES = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def switch_value(variable: str, text: str) -> bool:
+    """An environment variable's on/off value, or a ``ValueError`` naming it."""
+    try:
+        return SWITCH_VALUES[text.strip().lower()]
+    except KeyError:
+        raise ValueError(f"{variable} must be one of 1, true, yes, on, 0, false, no, off; got {text!r}") from None
+
+
 def dataclass_defaults(cls: type) -> dict[str, object]:
     """A settings dataclass's field defaults, without building one (its checks may need input)."""
     return {f.name: f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
@@ -30,10 +41,17 @@ def add_env_flags(parser: argparse.ArgumentParser, flags: list[tuple[str, Callab
                   choices: Mapping[str, Sequence[str]] | None = None) -> None:
     """Add ``(flag, type, help)`` flags whose defaults come from ``defaults``, or from the
     environment variable ``env_name(flag, prefix)`` when it is set. The variable's value becomes
-    the default as a string, so argparse converts and checks it exactly as it would the flag."""
+    the default as a string, so argparse converts and checks it exactly as it would the flag.
+    A ``bool`` flag is a switch (``--enforce-eager``, ``--no-enforce-eager``) whose variable
+    reads ``1``/``true``/``yes`` or ``0``/``false``/``no``."""
     for flag, kind, text in flags:
         dest = flag.lstrip("-").replace("-", "_")
         variable = env_name(flag, prefix)
         shown = "" if defaults[dest] is None else "; default: %(default)s"  # never echo a key
+        if kind is bool:
+            default = switch_value(variable, environ[variable]) if variable in environ else defaults[dest]
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                help=f"{text} [env {variable}{shown}]")
+            continue
         parser.add_argument(flag, type=kind, default=environ.get(variable, defaults[dest]),
                             choices=(choices or {}).get(flag), help=f"{text} [env {variable}{shown}]")

@@ -8,7 +8,9 @@ prompt prefix can be shared outright.
 
 The pool is two tensors, ``k`` and ``v``, of shape ``[layers, num_blocks, block_size, heads,
 head_dim]``. Viewed as ``[layers, num_slots, heads, head_dim]``, slot ``b * block_size + i``
-is position ``i`` of block ``b``. :class:`PagedAttention` is what the model sees as its
+is position ``i`` of block ``b``. One block more than the allocator hands out, the *pad
+block* (``pad_block``, the last), belongs to no sequence: the padding rows of a captured decode
+step (:mod:`minillm.engine.decode_graphs`) write into it. :class:`PagedAttention` is what the model sees as its
 ``cache`` for one step: it writes the step's new keys and values into their slots, then
 gathers each sequence's keys and values back through its block table to attend over them.
 """
@@ -44,10 +46,11 @@ class PagedKVPool:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype):
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
-        shape = (cfg.n_layers, num_blocks, block_size, cfg.n_heads, cfg.head_dim)
+        shape = (cfg.n_layers, num_blocks + 1, block_size, cfg.n_heads, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.pad_block = num_blocks
         self._scratch = torch.empty(0, device=device, dtype=dtype)
 
     @property

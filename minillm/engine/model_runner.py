@@ -11,14 +11,20 @@ A decode the scheduler gave lookahead slots is speculative decoding's step (chap
 runner drafts into those slots and verifies the draft in the same single forward pass, so it
 returns a list of tokens per chunk: none for a partial prefill, one for most chunks, the
 accepted drafts plus one more for a speculative decode.
+
+A step of decodes only, given :class:`~minillm.engine.decode_graphs.DecodeGraphs`, runs as a
+captured program instead (a CUDA graph, or Inductor's compiled code on a CPU); every other
+step, and every step with ``enforce_eager``, runs the eager path below, which is the reference.
 """
 
 from __future__ import annotations
 
 import torch
 
+from minillm.engine.decode_graphs import DecodeGraphs
 from minillm.engine.kv_cache import DecodeGroup, PagedAttention, PagedKVPool, PrefillChunk
 from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
+from minillm.engine.sequence import Sequence
 from minillm.engine.speculator import Speculator
 from minillm.model import GPT
 from minillm.sampling import sample
@@ -34,10 +40,11 @@ class ModelRunner:
     """Owns the model and the KV pool's storage; knows nothing about who is waiting."""
 
     def __init__(self, model: GPT, pool: PagedKVPool, attention: str = "torch",
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, graphs: DecodeGraphs | None = None) -> None:
         self.model, self.pool = model, pool
         self.attention = attention  # an ATTENTION_BACKENDS name: see PagedAttention
         self.speculator = speculator
+        self.graphs = graphs
         self.device = model.device
 
     @torch.inference_mode()
@@ -48,6 +55,10 @@ class ModelRunner:
             return [self.speculate(output.chunks[0])]
         decodes = sorted((c for c in output.chunks if c.num_tokens == 1), key=lambda c: c.start)
         prefills = [c for c in output.chunks if c.num_tokens > 1]
+        if self.graphs is not None and not prefills and len(decodes) <= self.graphs.max_batch:
+            logits, greedy = self.graphs.run(decodes)
+            drawn = dict(zip(map(id, decodes), _sample([c.seq for c in decodes], logits, greedy)))
+            return [[drawn[id(c)]] for c in output.chunks]
         ordered = decodes + prefills
         tokens, positions, slots = self.flatten(ordered)
         attention = PagedAttention(
@@ -60,8 +71,7 @@ class ModelRunner:
         sampled: dict[int, list[int]] = {}
         if wanted:
             logits = self.model.logits(hidden[ends[wanted] - 1]).float()
-            rows = [ordered[i].seq for i in wanted]
-            drawn = sample(logits, [s.params for s in rows], [s.generator for s in rows]).tolist()
+            drawn = _sample([ordered[i].seq for i in wanted], logits)
             for i, token in zip(wanted, drawn):
                 sampled[id(ordered[i])] = [token]
         return [sampled.get(id(c), []) for c in output.chunks]
@@ -136,6 +146,14 @@ class ModelRunner:
             chunks.append(PrefillChunk(offset, c.num_tokens, slots))
             offset += c.num_tokens
         return chunks
+
+
+def _sample(seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None = None) -> list[int]:
+    """One token per row of ``logits`` for ``seqs`` (one transfer to the host): ``greedy``, the
+    rows' argmax when the step computed it already, answers a batch of greedy rows alone."""
+    if greedy is not None and all(s.params.greedy for s in seqs):
+        return greedy.tolist()
+    return sample(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
 
 
 def _cumulative_ends(chunks: list[ScheduledChunk]) -> list[int]:

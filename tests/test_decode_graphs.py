@@ -1,0 +1,160 @@
+"""The captured decode step: padded to buckets, compiled (CPU) or recorded (CUDA), and always
+giving the tokens the eager step gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from minillm.config import get_preset
+from minillm.engine import LLM
+from minillm.engine import decode_graphs
+from minillm.engine.block_allocator import BlockAllocator
+from minillm.engine.decode_graphs import DecodeGraphs, bucket_sizes, capture_unsupported
+from minillm.engine.kv_cache import PagedKVPool
+from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.model import GPT
+from minillm.quant import quantize_model
+from minillm.sampling import SamplingParams
+
+SHARED = [11, 12, 13, 14, 15, 16, 17, 18, 19]  # two full blocks of 4: a prefix-cache hit for each prompt after the first
+
+
+def _model(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(get_preset("tiny")).eval()
+
+
+def _workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts that share a prefix, outputs of different lengths (so the batch shrinks through
+    every bucket), two of them sampled with a seed."""
+    prompts = [SHARED + [(7 * i + j) % 400 + 20 for j in range(i % 3 + 1)] for i in range(7)]
+    params = [SamplingParams(max_tokens=6 + 5 * i, temperature=0, ignore_eos=True) for i in range(7)]
+    params[2] = SamplingParams(max_tokens=20, temperature=0.8, top_k=50, seed=5, ignore_eos=True)
+    params[5] = SamplingParams(max_tokens=14, temperature=1.0, seed=9, ignore_eos=True)
+    return prompts, params
+
+
+def _generate(llm: LLM, prompts, params) -> list[list[int]]:
+    return [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_buckets_are_powers_of_two_up_to_the_first_that_holds_the_batch():
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(5) == [1, 2, 4, 8]
+    assert bucket_sizes(8) == [1, 2, 4, 8]
+    graphs = DecodeGraphs(_model(), PagedKVPool(get_preset("tiny"), 8, 4, torch.device("cpu"), torch.float32), 5)
+    assert [graphs.bucket(n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert graphs.tables.shape == (8, 64 // 4)  # every row can span the whole context
+
+
+def test_the_pad_block_is_storage_the_allocator_never_hands_out():
+    pool = PagedKVPool(get_preset("tiny"), 6, 4, torch.device("cpu"), torch.float32)
+    allocator = BlockAllocator(6, 4)
+    taken = [allocator.take_free_block() for _ in range(6)]
+    assert pool.k.shape[1] == 7 and pool.pad_block == 6
+    assert sorted(taken) == list(range(6))
+
+
+def test_compiled_decode_gives_the_eager_tokens_through_preemption_and_prefix_hits():
+    model = _model()
+    prompts, params = _workload()
+    options = dict(num_blocks=14, block_size=4, max_num_seqs=8)
+    eager = LLM(model, **options, enforce_eager=True)
+    compiled = LLM(model, **options, enforce_eager=False)
+    expected = _generate(eager, prompts, params)
+    assert _generate(compiled, prompts, params) == expected
+    stats, graphs = compiled.engine.stats(), compiled.engine.graphs
+    assert stats.preemptions > 0 and stats.prefix_cache_hit_rate > 0
+    assert graphs is not None and graphs.mode == "compile"
+    assert len(graphs.prepare_seconds) >= 3  # the steps went through several buckets' programs
+    assert eager.engine.graphs is None
+
+
+def test_padding_rows_write_only_the_pad_block():
+    model = _model()
+    engine = LLMEngine(model, EngineConfig(num_blocks=8, block_size=4, max_num_seqs=4, enforce_eager=False))
+    for i in range(3):
+        engine.add_request(f"r{i}", [5 + i, 6, 7], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    engine.step()  # the three prefills
+    used = sorted({b for seq in engine.scheduler.running for b in seq.block_table})
+    before = engine.pool.k.clone()
+    engine.step()  # three decodes in the bucket of 4: one padding row
+    assert engine.graphs is not None and set(engine.graphs.prepare_seconds) == {4}
+    changed = (engine.pool.k != before).flatten(2).any(-1).any(0)  # per block
+    assert set(changed.nonzero().flatten().tolist()) <= {*used, engine.pool.pad_block}
+    assert changed[engine.pool.pad_block]
+    assert engine.graphs.lengths[3] == 1 and engine.graphs.slots[3] == engine.pool.pad_block * 4
+
+
+class _GraphRecorder(TorchDispatchMode):
+    """A CUDA graph's contract, on a CPU: record every operator the step runs, with the very
+    tensors it read and wrote, then replay them on those same tensors. Anything the real graph
+    would get wrong (an input not in a static buffer, an output allocated afresh, the host
+    reading a device value mid-capture) goes wrong here too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise AssertionError("the step read a device value on the host during capture")
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((func, args, kwargs or {}, out))
+        return out
+
+    def replay(self) -> None:
+        for func, args, kwargs, out in self.ops:
+            fresh = func(*args, **kwargs)
+            for old, new in zip(tree_flatten(out)[0], tree_flatten(fresh)[0]):
+                if isinstance(old, torch.Tensor) and old.untyped_storage().data_ptr() != new.untyped_storage().data_ptr():
+                    old.copy_(new)
+
+
+def _fake_capture(replays: list[int]):
+    def capture(fn, pool):
+        recorder = _GraphRecorder()
+        with torch.inference_mode(), recorder:
+            outputs = fn()
+
+        def replay():
+            replays.append(1)
+            recorder.replay()
+            return outputs
+
+        return replay, pool
+
+    return capture
+
+
+def test_the_cuda_graph_path_replays_the_eager_tokens(monkeypatch):
+    replays: list[int] = []
+    monkeypatch.setattr(decode_graphs, "capture_cuda_graph", _fake_capture(replays))
+    model = _model()
+    prompts, params = _workload()
+    options = dict(num_blocks=14, block_size=4, max_num_seqs=8)
+    expected = _generate(LLM(model, **options, enforce_eager=True), prompts, params)
+    llm = LLM(model, **options, enforce_eager=True)
+    engine = llm.engine
+    engine.graphs = engine.runner.graphs = DecodeGraphs(model, engine.pool, 8, mode="cuda-graph")
+    engine.graphs.prepare()  # recorded up front with padding rows only, as at start-up
+    assert _generate(llm, prompts, params) == expected
+    assert len(replays) > 10 and engine.stats().preemptions > 0
+
+
+def test_models_the_captured_step_does_not_cover_run_eagerly():
+    model = _model()
+    quantize_model(model, "int8")
+    assert "quantized" in capture_unsupported(model)
+    engine = LLMEngine(model, EngineConfig(num_blocks=8, block_size=4, enforce_eager=False))
+    assert engine.graphs is None and "quantized" in engine.eager_reason
+    assert LLMEngine(_model(), EngineConfig(num_blocks=8, block_size=4)).graphs is None  # a CPU compiles when asked
+
+
+def test_an_unknown_capture_mode_is_refused():
+    pool = PagedKVPool(get_preset("tiny"), 8, 4, torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="mode must be"):
+        DecodeGraphs(_model(), pool, 4, mode="jit")
