@@ -9,6 +9,8 @@ from typing import Sequence
 import torch
 
 from minillm.bench import attention as attention_bench
+from minillm.bench import decode as decode_bench
+from minillm.bench import profile as profile_bench
 from minillm.bench import engine as eb
 from minillm.bench import quant as quant_bench
 from minillm.bench import speculative as speculative_bench
@@ -49,10 +51,91 @@ def build_parser() -> ArgumentParser:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
     e.add_argument("--smoke", action="store_true", help="a tiny run that checks the benchmark works (CI)")
+    d = sub.add_parser("decode", help="decode tokens/s at batch 1..64: ours captured and eager, transformers, llama.cpp")
+    d.add_argument("--preset", default="tinystories-50m", choices=sorted(PRESETS))
+    d.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
+    d.add_argument("--batches", default=",".join(map(str, decode_bench.BATCHES)))
+    d.add_argument("--new-tokens", type=int, default=decode_bench.NEW_TOKENS)
+    d.add_argument("--repeats", type=int, default=3, help="runs of our engine per point (median and spread)")
+    d.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    d.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp even if `make llamacpp` built it")
+    d.add_argument("--device", default=None)
+    d.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
+    pr = sub.add_parser("profile", help="where one decode step's time goes, eager and captured")
+    pr.add_argument("--presets", default="tinystories-50m,cpu")
+    pr.add_argument("--dtypes", default="float32,bfloat16")
+    pr.add_argument("--batches", default="1,8,32")
+    pr.add_argument("--steps", type=int, default=10)
+    pr.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
     attention_bench.add_arguments(sub.add_parser("attention", help="naive vs tiled vs fused attention; engine backends"))
     speculative_bench.add_arguments(sub.add_parser("speculative", help="speculative decoding: acceptance and speedup vs k"))
     quant_bench.add_arguments(sub.add_parser("quant", help="fp32, bf16, fp16, int8, int4: bytes, speed, quality"))
     return p
+
+
+def parse_batches(text: str) -> list[int]:
+    try:
+        batches = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise UsageError(f"batch sizes look like 1,8,32, not {text!r}") from None
+    if not batches or min(batches) < 1:
+        raise UsageError(f"batch sizes must be at least 1, got {text!r}")
+    return batches
+
+
+def parse_dtypes(text: str, device: torch.device) -> list[torch.dtype]:
+    """The dtypes asked for, less bf16 where this machine only emulates it (said aloud)."""
+    dtypes = [resolve_dtype(d.strip()) for d in text.split(",") if d.strip()]
+    note = decode_bench.bf16_note(device)
+    if note and torch.bfloat16 in dtypes and len(dtypes) > 1:
+        print(f"skipping bfloat16: {note} (ask for --dtypes bfloat16 alone to measure it anyway)")
+        dtypes.remove(torch.bfloat16)
+    return dtypes
+
+
+def bench_decode(args) -> dict:
+    device = torch.device(args.device) if args.device else default_device()
+    batches = parse_batches(args.batches)
+    if quick():
+        args.preset, batches, args.new_tokens, args.repeats = "tiny", [1, 2], 8, 1
+    if args.new_tokens < 2 or args.repeats < 1:
+        raise UsageError("--new-tokens must be at least 2 and --repeats at least 1")
+    cfg = get_preset(args.preset)
+    if decode_bench.PROMPT_LEN + args.new_tokens + 1 > cfg.context_length:
+        raise UsageError(f"--new-tokens {args.new_tokens} does not fit the {args.preset} context of {cfg.context_length}")
+    report = {"device": device_name(device), "preset": args.preset, "prompt_len": decode_bench.PROMPT_LEN,
+              "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "runs": {}}
+    for dtype in parse_dtypes(args.dtypes, device):
+        model, source = load_weights(args.preset, device)
+        model.to(dtype)
+        report["weights"] = source
+        print(f"\n== decode, {args.preset} ({source}), {dtype}, {device_name(device)} ==", flush=True)
+        run_ = decode_bench.run_decode_bench(model, batches, args.new_tokens, not args.no_hf, not args.no_llamacpp,
+                                             args.repeats)
+        report["runs"][str(dtype).removeprefix("torch.")] = run_
+        print(f"  tok/s (fraction of roof) at batch {', '.join(map(str, batches))}:")
+        print("\n".join(decode_bench.summary(run_)), flush=True)
+    return report
+
+
+def bench_profile(args, out: Path) -> Path:
+    rows = []
+    device = default_device()
+    for preset in args.presets.split(","):
+        for dtype in parse_dtypes(args.dtypes, device):
+            model, source = load_weights(preset.strip(), device)
+            model.to(dtype)
+            print(f"\n== profile, {preset} ({source}), {dtype} ==", flush=True)
+            for b in parse_batches(args.batches):
+                for eager in (True, False):
+                    row = profile_bench.profile_decode(model, b, eager, args.steps)
+                    row |= {"preset": preset, "dtype": str(dtype).removeprefix("torch.")}
+                    profile_bench.print_profile(row)
+                    rows.append(row)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "profile.json"
+    path.write_text(json.dumps({"device": device_name(device), "rows": rows}, indent=2) + "\n")
+    return path
 
 
 def bench_engine(args) -> dict:
@@ -143,6 +226,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.bench == "quant":
         quant_bench.run_from_args(args, out)
+        return 0
+    if args.bench == "decode":
+        report = bench_decode(args)
+        print(f"\nsaved {decode_bench.save(report, out)}")
+        return 0
+    if args.bench == "profile":
+        print(f"\nsaved {bench_profile(args, out)}")
         return 0
     report = bench_engine(args)
     print(f"\nsaved {save(report, out)}")

@@ -1,0 +1,202 @@
+"""The decode benchmark: ``python -m minillm.bench decode``.
+
+``B`` sequences of ``PROMPT_LEN`` prompt tokens each decode ``NEW_TOKENS`` tokens together;
+the rate is ``B x (tokens decoded)`` over the decode steps' time (prefill excluded), for
+``B`` in 1, 8, 32, 64, on the same weights, in one run:
+
+- our engine three ways: the plain reference (``enforce_eager=True``), eager with weights
+  prepacked for oneDNN (:mod:`minillm.packed`, a CPU's default), and captured
+  (:mod:`minillm.engine.decode_graphs`: Inductor on a CPU, CUDA graphs on a GPU);
+- ``transformers`` ``generate`` (static batch, its own KV cache), decode time taken as the
+  time for ``NEW_TOKENS`` tokens minus the time for one;
+- llama.cpp on the GGUF of the same weights, when ``make llamacpp`` has built it:
+  ``llama-bench`` (batch 1) and ``llama-batched-bench``.
+
+Each rate is also given as a fraction of the roof: a step cannot beat reading every weight
+once (weight bytes over the bandwidth measured at that working-set size) nor doing its
+FLOPs at the measured matmul rate. Ratios are what to quote: the machine's absolute speed
+moves from run to run, the ratios measured side by side much less.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from minillm.bench import llamacpp
+from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.hardware import measure_bandwidth, measure_matmul_flops
+from minillm.model import GPT, matmul_parameters
+from minillm.sampling import SamplingParams
+from minillm.train import cpu_has_bf16_matmul
+
+PROMPT_LEN = 16
+NEW_TOKENS = 128
+BATCHES = (1, 8, 32, 64)
+ENGINES = {  # method -> EngineConfig options
+    "ours, captured": dict(enforce_eager=False),
+    "ours, eager + packed weights": dict(enforce_eager=None, pack_weights=True),
+    "ours, plain eager": dict(enforce_eager=True),
+}
+
+
+def prompts(batch: int, vocab: int) -> list[list[int]]:
+    """``batch`` different prompts (a shared one would be a prefix-cache hit for all but one)."""
+    return [[(97 * i + 13 * j) % (vocab - 1) + 1 for j in range(PROMPT_LEN)] for i in range(batch)]
+
+
+@torch.inference_mode()
+def engine_rate(model: GPT, batch: int, new_tokens: int, **options) -> tuple[float, float]:
+    """Our engine's decode tokens/s at ``batch`` (and its start-up seconds: weight packing and
+    compiling or recording the bucket). Every prompt is prefilled before the clock starts."""
+    start = time.perf_counter()
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=batch, kv_cache_memory="1GiB", **options))
+    if engine.graphs is not None:
+        engine.graphs.prepare([engine.graphs.bucket(batch)])
+    startup = time.perf_counter() - start
+    params = SamplingParams(max_tokens=new_tokens + 1, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts(batch, model.cfg.vocab_size)):
+        engine.add_request(f"d{i}", p, params)
+    while any(s.num_output_tokens == 0 for s in [*engine.scheduler.running, *engine.scheduler.waiting]):
+        engine.step()
+    decoded = 0
+    start = time.perf_counter()
+    while engine.has_unfinished:
+        decoded += sum(len(out.new_token_ids) for out in engine.step())
+    return decoded / (time.perf_counter() - start), startup
+
+
+@torch.inference_mode()
+def hf_rate(hf, batch: int, new_tokens: int, vocab: int) -> float:
+    """``transformers`` decode tokens/s at ``batch``: (time for ``new_tokens``) minus (time for one)."""
+    ids = torch.tensor(prompts(batch, vocab), device=hf.device)
+
+    def seconds(n: int) -> float:
+        start = time.perf_counter()
+        hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                    do_sample=False, pad_token_id=vocab - 1)
+        return time.perf_counter() - start
+
+    seconds(2)  # warm-up
+    return batch * (new_tokens - 1) / (seconds(new_tokens) - seconds(1))
+
+
+def load_hf(model: GPT):
+    """The same weights as a ``transformers`` GPT-2, or None without ``transformers``."""
+    try:
+        from transformers import GPT2LMHeadModel
+    except ImportError:
+        return None
+    from minillm.hf import export_hf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = GPT2LMHeadModel.from_pretrained(export_hf(model, tmp), dtype=model.dtype)
+    return hf.to(model.device).eval()
+
+
+def llamacpp_rates(model: GPT, batches: list[int], new_tokens: int, dtype: str) -> dict | None:
+    """llama.cpp's decode tokens/s on the GGUF of ``model`` (``dtype``: f32 or bf16), or None
+    when its programs are not built."""
+    if not llamacpp.available():
+        return None
+    from minillm.gguf_export import export_gguf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = export_gguf(model, Path(tmp) / "model.gguf", dtype)
+        rates = {"llama-bench": {1: llamacpp.llama_bench_tg(path, new_tokens)}}
+        rates["llama-batched-bench"] = llamacpp.batched_bench_tg(path, batches, n_prompt=PROMPT_LEN, n_gen=new_tokens)
+    return rates
+
+
+def roof(model: GPT, batch: int, bandwidth: float, flops: float) -> float:
+    """The most decode tokens/s a step of ``batch`` could reach: the slower of reading every
+    weight once per step and doing ``2 x matmul weights`` FLOPs per token."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return min(batch * bandwidth / weight_bytes, flops / (2 * matmul_parameters(model.cfg)))
+
+
+def run_decode_bench(model: GPT, batches: list[int], new_tokens: int, with_hf: bool = True,
+                     with_llamacpp: bool = True, repeats: int = 3) -> dict:
+    """Every method at every batch size, as ``{"rates": {method: {batch: [tok/s, ...]}}, ...}``
+    with ``repeats`` runs of our engine (medians and spreads are taken from them)."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bandwidth = measure_bandwidth(model.device, "reduce", nbytes=weight_bytes)
+    flops = measure_matmul_flops(model.device, model.dtype)
+    report = {"bandwidth": bandwidth, "matmul_flops": flops, "weight_bytes": weight_bytes,
+              "roof": {b: roof(model, b, bandwidth, flops) for b in batches}, "rates": {}, "startup_s": {}}
+    for method, options in ENGINES.items():
+        report["rates"][method], report["startup_s"][method] = {}, {}
+        for b in batches:
+            runs = [engine_rate(model, b, new_tokens, **options) for _ in range(repeats)]
+            report["rates"][method][b] = [rate for rate, _ in runs]
+            report["startup_s"][method][b] = [s for _, s in runs]
+            print(f"  {method:<30} batch {b:>3}: {statistics.median(report['rates'][method][b]):8.1f} tok/s", flush=True)
+    hf = load_hf(model) if with_hf else None
+    if hf is not None:
+        report["rates"]["transformers generate"] = {
+            b: [hf_rate(hf, b, new_tokens, model.cfg.vocab_size)] for b in batches}
+    llama = llamacpp_rates(model, batches, new_tokens, "f32" if model.dtype == torch.float32 else "bf16") \
+        if with_llamacpp else None
+    for name, rates in (llama or {}).items():
+        report["rates"][f"llama.cpp ({name})"] = {b: [r] for b, r in rates.items()}
+    return report
+
+
+def bf16_note(device: torch.device) -> str | None:
+    """Why bf16 numbers from this machine would mislead, or None."""
+    if device.type == "cpu" and not cpu_has_bf16_matmul():
+        return "this CPU has no native bf16 matrix instructions (AVX-512 BF16 or AMX): PyTorch emulates them"
+    return None
+
+
+def summary(report: dict) -> list[str]:
+    """The table's lines: median tok/s (spread), fraction of roof, and the ratios the targets use."""
+    rates, lines = report["rates"], []
+    median = {m: {b: statistics.median(v) for b, v in r.items()} for m, r in rates.items()}
+    for method, by_batch in median.items():
+        cells = [f"{by_batch[b]:8.1f} ({by_batch[b] / report['roof'][b]:4.0%})" for b in by_batch]
+        lines.append(f"  {method:<36}" + "".join(cells))
+    ours = median["ours, captured"]
+    for other in [m for m in median if m.startswith(("llama.cpp", "transformers"))]:
+        ratios = ", ".join(f"batch {b} {ours[b] / r:.2f}x" for b, r in median[other].items() if b in ours)
+        lines.append(f"  captured vs {other}: {ratios}")
+    return lines
+
+
+def save(report: dict, out: Path) -> Path:
+    """``decode-<preset>.json`` and a plot of tokens/s against batch size, one panel per dtype."""
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"decode-{report['preset']}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, out / f"decode-{report['preset']}.png")
+    return path
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = report["runs"]
+    fig, axes = plt.subplots(1, max(len(runs), 1), figsize=(6.5 * max(len(runs), 1), 4), squeeze=False)
+    for ax, (dtype, run_) in zip(axes[0], runs.items()):
+        batches = sorted(int(b) for b in run_["roof"])
+        ax.plot(batches, [run_["roof"][b] for b in batches], "k--", label="roof (bandwidth, then FLOPs)")
+        for method, by_batch in run_["rates"].items():
+            xs = sorted(int(b) for b in by_batch)
+            ax.plot(xs, [statistics.median(by_batch[b]) for b in xs], "o-", label=method)
+        ax.set(xscale="log", yscale="log", xlabel="batch (sequences decoding together)", ylabel="decode tokens/s",
+               title=f"{report['preset']}, {dtype}")
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{report['device']}, {report['threads']} threads", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

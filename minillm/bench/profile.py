@@ -1,0 +1,149 @@
+"""Where a decode step's time goes: ``python -m minillm.bench profile``.
+
+A decode step at batch ``B`` reads every weight once and multiplies it by ``B`` vectors. If
+that were all it did, its time would be the weights' bytes over the memory bandwidth. This
+profile says how far from that the engine is, and why, in two views of the same steps:
+
+- **phases**, timed from outside the engine's methods: scheduling, building the step's
+  tensors, the forward pass, the LM head, sampling, and the bookkeeping after (appending
+  tokens, detokenizing, freeing blocks); what is left over is Python between them;
+- **operators**, from ``torch.profiler``: the time inside matrix products against attention's
+  gathers and copies, elementwise operators (LayerNorm, GELU, adds), and the rest.
+
+It runs the eager step and, unless ``--enforce-eager``, the captured one
+(:mod:`minillm.engine.decode_graphs`), whose forward and LM head are one program.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from typing import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine import model_runner
+from minillm.model import GPT
+from minillm.sampling import SamplingParams
+
+PROMPT_LEN = 16
+OPERATOR_KINDS = {
+    "matrix products": ("mm", "addmm", "bmm", "linear", "matmul", "baddbmm", "_weight_int8pack_mm",
+                        "_weight_int4pack_mm", "mkldnn", "mkl_linear", "_linear_pointwise"),
+    "attention": ("scaled_dot_product", "_flash_attention", "index_select", "index_copy", "padded_decode_attention",
+                  "softmax"),
+    "elementwise": ("layer_norm", "gelu", "add", "mul", "div", "tanh", "where", "masked_fill", "cpp_fused",
+                    "triton_", "argmax", "embedding"),
+}
+
+
+def operator_kind(name: str) -> str:
+    """Which of :data:`OPERATOR_KINDS` an operator's name belongs to, else ``"other"``."""
+    short = name.split("::")[-1]
+    for kind, prefixes in OPERATOR_KINDS.items():
+        if any(short.startswith(p) for p in prefixes):
+            return kind
+    return "other"
+
+
+class PhaseTimer:
+    """Wall time spent inside wrapped callables, by phase name."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def wrap(self, phase: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.perf_counter() - start
+
+        return timed
+
+
+def _instrument(engine: LLMEngine, timer: PhaseTimer) -> Callable[[], None]:
+    """Wrap the engine's phases in ``timer``; returns the function that unwraps them."""
+    runner, model, graphs = engine.runner, engine.runner.model, engine.graphs
+    patches = [
+        (engine.scheduler, "schedule", "schedule"), (engine.scheduler, "postprocess", "bookkeeping"),
+        (engine, "_append", "bookkeeping"), (runner, "flatten", "step tensors"),
+        (runner, "decode_groups", "step tensors"), (runner, "_prefill_chunks", "step tensors"),
+        (model_runner, "_sample", "sampling"),
+    ]
+    if graphs is None:
+        patches += [(model, "hidden_states", "forward"), (model, "logits", "LM head")]
+    else:  # the model's methods are inside the compiled program: wrapping them would recompile it
+        patches += [(graphs, "_fill", "step tensors"), (graphs, "program", "forward + LM head")]
+    originals = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, phase in patches:
+        fn = getattr(obj, name)
+        if name == "program":  # time the program's run, not its lookup
+            setattr(obj, name, lambda b, fn=fn: timer.wrap(phase, fn(b)))
+        else:
+            setattr(obj, name, timer.wrap(phase, fn))
+
+    def restore() -> None:
+        for obj, name, fn in originals:
+            if obj is model_runner:
+                setattr(obj, name, fn)
+            else:
+                delattr(obj, name) if name in vars(obj) else setattr(obj, name, fn)
+
+    return restore
+
+
+@torch.inference_mode()
+def profile_decode(model: GPT, batch: int, enforce_eager: bool, steps: int = 10) -> dict:
+    """Profile ``steps`` decode steps of ``batch`` sequences: step time, phases, operators."""
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=max(batch, 1), enforce_eager=enforce_eager,
+                                           kv_cache_memory="512MiB"))
+    params = SamplingParams(max_tokens=3 * steps + 8, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"p{i}", [(31 * i + j) % 50000 + 1 for j in range(PROMPT_LEN)], params)
+    while any(s.num_computed_tokens < s.prompt_len for s in engine.scheduler.running) or engine.scheduler.num_waiting:
+        engine.step()
+    if engine.graphs is not None:
+        engine.graphs.prepare([engine.graphs.bucket(batch)])
+    for _ in range(3):  # warm-up
+        engine.step()
+    walls = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - start)
+    timer = PhaseTimer()
+    restore = _instrument(engine, timer)
+    try:
+        start = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                engine.step()
+        profiled = time.perf_counter() - start
+    finally:
+        restore()
+    kinds: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        if event.key.startswith(("aten::", "mkldnn::", "minillm::", "quantized::")) or "cpp_fused" in event.key:
+            kinds[operator_kind(event.key)] += event.self_cpu_time_total / 1e6
+    phases = dict(timer.seconds)
+    phases["other Python"] = max(profiled - sum(phases.values()), 0.0)
+    step = statistics.median(walls)
+    return {
+        "batch": batch, "mode": "eager" if engine.graphs is None else engine.graphs.mode,
+        "step_ms": step * 1e3, "step_ms_spread": [min(walls) * 1e3, max(walls) * 1e3],
+        "tokens_per_s": batch / step,
+        "phases": {k: v / profiled for k, v in phases.items()},
+        "operators": {k: v / profiled for k, v in sorted(kinds.items())},
+    }
+
+
+def print_profile(row: dict) -> None:
+    head = f"  batch {row['batch']:>3} {row['mode']:<8} step {row['step_ms']:7.2f} ms  {row['tokens_per_s']:8.1f} tok/s"
+    print(head)
+    print("      phases:    " + ", ".join(f"{k} {v:.0%}" for k, v in row["phases"].items() if v >= 0.005))
+    print("      operators: " + ", ".join(f"{k} {v:.0%}" for k, v in row["operators"].items() if v >= 0.005))
