@@ -11,8 +11,8 @@ through (``torch.ops.mkldnn._reorder_linear_weight``) and multiply by it directl
 :func:`pack_weights` returns the model the engine runs: a copy whose ``nn.Linear`` layers and
 tied output matrix use prepacked weights, and which shares every parameter tensor with the
 original (the packed copies are the only new memory, one more copy of the matrices). The
-product is :func:`packed_linear`, a ``torch.library`` operator, so a compiled decode step can
-call it as one node. Only float32 on a CPU: oneDNN's bf16 kernels need AVX-512 or AVX-NE
+product is :func:`packed_linear`, also registered as a ``torch.library`` operator so that a
+compiled decode step can call it as one node. Only float32 on a CPU: oneDNN's bf16 kernels need AVX-512 or AVX-NE
 instructions, and on a GPU cuBLAS reads the weights as they are.
 """
 
@@ -39,7 +39,6 @@ def _key(weight: torch.Tensor) -> tuple[int, tuple[int, ...]]:
     return weight.data_ptr(), tuple(weight.shape)
 
 
-@torch.library.custom_op("minillm::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through ``weight``'s prepacked copy. A weight with no packed
     copy (it was cast or moved after packing) takes the plain product: same result, slower."""
@@ -52,9 +51,20 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-@packed_linear.register_fake
+# The same function as a ``torch.library`` operator, which a compiled graph calls as one node
+# (Dynamo cannot trace a packed oneDNN tensor). Called eagerly, an operator costs tens of
+# microseconds of dispatch per call, a tenth of a batch-1 step here, so eager code calls the
+# function itself.
+packed_linear_op = torch.library.custom_op("minillm::packed_linear", packed_linear, mutates_args=())
+
+
+@packed_linear_op.register_fake
 def _(x, weight, bias):  # noqa: ANN001
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return (packed_linear_op if torch.compiler.is_compiling() else packed_linear)(x, weight, bias)
 
 
 def _pack(owner: nn.Module, weight: torch.Tensor) -> None:
@@ -83,7 +93,7 @@ class PackedLinear(nn.Module):
         _pack(self, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.weight, self.bias)
+        return _product(x, self.weight, self.bias)
 
 
 class PackedTokenEmbedding(TokenEmbedding):
@@ -95,7 +105,7 @@ class PackedTokenEmbedding(TokenEmbedding):
         _pack(self, self.weight)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        return packed_linear(hidden, self.weight, None)
+        return _product(hidden, self.weight, None)
 
 
 def packing_unsupported(model: nn.Module) -> str | None:

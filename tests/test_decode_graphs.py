@@ -154,6 +154,17 @@ def test_models_the_captured_step_does_not_cover_run_eagerly():
     assert LLMEngine(_model(), EngineConfig(num_blocks=8, block_size=4)).graphs is None  # a CPU compiles when asked
 
 
+def test_the_server_prepares_every_bucket_before_it_listens_and_says_so():
+    from server.__main__ import prepare_decode
+
+    engine = LLMEngine(_model(), EngineConfig(num_blocks=8, block_size=4, max_num_seqs=3, enforce_eager=False))
+    line = prepare_decode(engine)
+    assert sorted(engine.graphs.prepare_seconds) == [1, 2, 4]
+    assert line.startswith("decode steps compiled with torch.compile for batches of 1..4 in ")
+    eager = LLMEngine(_model(), EngineConfig(num_blocks=8, block_size=4, enforce_eager=True))
+    assert prepare_decode(eager) == "decode steps run eagerly (enforce_eager)"
+
+
 def test_an_unknown_capture_mode_is_refused():
     pool = PagedKVPool(get_preset("tiny"), 8, 4, torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="mode must be"):

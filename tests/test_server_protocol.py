@@ -24,6 +24,16 @@ def test_flags_environment_and_precedence() -> None:
     assert config.engine_config().kv_cache_memory == "64MiB"
 
 
+def test_enforce_eager_is_a_switch_with_an_automatic_default() -> None:
+    assert parse_args([], {}).enforce_eager is None  # CUDA graphs on a GPU, eager on a CPU
+    assert parse_args(["--enforce-eager"], {}).engine_config().enforce_eager is True
+    assert parse_args(["--no-enforce-eager"], {}).engine_config().enforce_eager is False
+    assert parse_args([], {"MINILLM_ENFORCE_EAGER": "Yes"}).enforce_eager is True
+    assert parse_args(["--no-enforce-eager"], {"MINILLM_ENFORCE_EAGER": "1"}).enforce_eager is False
+    with pytest.raises(UsageError, match="MINILLM_ENFORCE_EAGER must be one of"):
+        parse_args([], {"MINILLM_ENFORCE_EAGER": "maybe"})
+
+
 @pytest.mark.parametrize("argv, env, needle", [
     (["--port", "eighty"], {}, "--port: invalid int value: 'eighty'"),
     ([], {"MINILLM_PORT": "eighty"}, "--port: invalid int value: 'eighty'"),

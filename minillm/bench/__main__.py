@@ -127,8 +127,8 @@ def bench_profile(args, out: Path) -> Path:
             model.to(dtype)
             print(f"\n== profile, {preset} ({source}), {dtype} ==", flush=True)
             for b in parse_batches(args.batches):
-                for eager in (True, False):
-                    row = profile_bench.profile_decode(model, b, eager, args.steps)
+                for method in decode_bench.ENGINES:
+                    row = profile_bench.profile_decode(model, b, method, args.steps)
                     row |= {"preset": preset, "dtype": str(dtype).removeprefix("torch.")}
                     profile_bench.print_profile(row)
                     rows.append(row)

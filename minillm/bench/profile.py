@@ -7,10 +7,13 @@ profile says how far from that the engine is, and why, in two views of the same 
 - **phases**, timed from outside the engine's methods: scheduling, building the step's
   tensors, the forward pass, the LM head, sampling, and the bookkeeping after (appending
   tokens, detokenizing, freeing blocks); what is left over is Python between them;
-- **operators**, from ``torch.profiler``: the time inside matrix products against attention's
-  gathers and copies, elementwise operators (LayerNorm, GELU, adds), and the rest.
+- **operators**, from ``torch.profiler`` over as many further steps: the share of their time
+  inside matrix products, attention's gathers and copies, elementwise operators (LayerNorm,
+  GELU, adds), and the rest. The profiler slows every operator a little, so these are shares,
+  not times.
 
-It runs the eager step and, unless ``--enforce-eager``, the captured one
+It runs the engine the three ways the decode benchmark does (:data:`minillm.bench.decode.ENGINES`):
+the plain reference, eager with packed weights, and captured
 (:mod:`minillm.engine.decode_graphs`), whose forward and LM head are one program.
 """
 
@@ -24,15 +27,15 @@ from typing import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.bench.decode import ENGINES, prompts
 from minillm.engine import model_runner
+from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.model import GPT
 from minillm.sampling import SamplingParams
 
-PROMPT_LEN = 16
 OPERATOR_KINDS = {
     "matrix products": ("mm", "addmm", "bmm", "linear", "matmul", "baddbmm", "_weight_int8pack_mm",
-                        "_weight_int4pack_mm", "mkldnn", "mkl_linear", "_linear_pointwise"),
+                        "_weight_int4pack_mm", "mkldnn", "mkl_linear", "_linear_pointwise", "packed_linear"),
     "attention": ("scaled_dot_product", "_flash_attention", "index_select", "index_copy", "padded_decode_attention",
                   "softmax"),
     "elementwise": ("layer_norm", "gelu", "add", "mul", "div", "tanh", "where", "masked_fill", "cpp_fused",
@@ -98,13 +101,13 @@ def _instrument(engine: LLMEngine, timer: PhaseTimer) -> Callable[[], None]:
 
 
 @torch.inference_mode()
-def profile_decode(model: GPT, batch: int, enforce_eager: bool, steps: int = 10) -> dict:
-    """Profile ``steps`` decode steps of ``batch`` sequences: step time, phases, operators."""
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=max(batch, 1), enforce_eager=enforce_eager,
-                                           kv_cache_memory="512MiB"))
+def profile_decode(model: GPT, batch: int, method: str, steps: int = 10) -> dict:
+    """Profile ``steps`` decode steps of ``batch`` sequences run the way ``method`` (an
+    :data:`ENGINES` name) says: step time, phases, operators."""
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=batch, kv_cache_memory="512MiB", **ENGINES[method]))
     params = SamplingParams(max_tokens=3 * steps + 8, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"p{i}", [(31 * i + j) % 50000 + 1 for j in range(PROMPT_LEN)], params)
+    for i, prompt in enumerate(prompts(batch, model.cfg.vocab_size)):
+        engine.add_request(f"p{i}", prompt, params)
     while any(s.num_computed_tokens < s.prompt_len for s in engine.scheduler.running) or engine.scheduler.num_waiting:
         engine.step()
     if engine.graphs is not None:
@@ -120,30 +123,34 @@ def profile_decode(model: GPT, batch: int, enforce_eager: bool, steps: int = 10)
     restore = _instrument(engine, timer)
     try:
         start = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(steps):
-                engine.step()
-        profiled = time.perf_counter() - start
+        for _ in range(steps):
+            engine.step()
+        timed = time.perf_counter() - start
     finally:
         restore()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        profiled = time.perf_counter() - start
     kinds: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
         if event.key.startswith(("aten::", "mkldnn::", "minillm::", "quantized::")) or "cpp_fused" in event.key:
             kinds[operator_kind(event.key)] += event.self_cpu_time_total / 1e6
     phases = dict(timer.seconds)
-    phases["other Python"] = max(profiled - sum(phases.values()), 0.0)
+    phases["other Python"] = max(timed - sum(phases.values()), 0.0)
     step = statistics.median(walls)
     return {
-        "batch": batch, "mode": "eager" if engine.graphs is None else engine.graphs.mode,
+        "batch": batch, "method": method,
         "step_ms": step * 1e3, "step_ms_spread": [min(walls) * 1e3, max(walls) * 1e3],
         "tokens_per_s": batch / step,
-        "phases": {k: v / profiled for k, v in phases.items()},
+        "phases": {k: v / timed for k, v in phases.items()},
         "operators": {k: v / profiled for k, v in sorted(kinds.items())},
     }
 
 
 def print_profile(row: dict) -> None:
-    head = f"  batch {row['batch']:>3} {row['mode']:<8} step {row['step_ms']:7.2f} ms  {row['tokens_per_s']:8.1f} tok/s"
+    head = f"  batch {row['batch']:>3} {row['method']:<30} step {row['step_ms']:7.2f} ms  {row['tokens_per_s']:8.1f} tok/s"
     print(head)
     print("      phases:    " + ", ".join(f"{k} {v:.0%}" for k, v in row["phases"].items() if v >= 0.005))
     print("      operators: " + ", ".join(f"{k} {v:.0%}" for k, v in row["operators"].items() if v >= 0.005))
