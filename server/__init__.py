@@ -1,5 +1,5 @@
 """The HTTP side of minillm: the OpenAI-compatible streaming server, its load generator and
-dashboard (chapters 9 and 10), and a router over replicas (chapter 14). It owns no model logic: everything it serves comes from the
+dashboard (chapters 9 and 10), and a router over replicas (chapter 15). It owns no model logic: everything it serves comes from the
 engine in :mod:`minillm`, and nothing in :mod:`minillm` imports it.
 
 The server, in data-flow order (``python -m server`` runs it):
@@ -17,9 +17,9 @@ Around it, chapter 10's tools:
 - ``loadgen_client``: workloads, open-loop arrival schedules, one timed streaming request.
 - ``loadgen``: ``python -m server.loadgen``: runs, sweeps, reports, JSON and plots.
 - ``dashboard``: the live page at ``/``, its event stream and its bounded traffic panel.
-- ``launch``: start ``python -m server`` as a child process (chapters 9, 10 and 14, the tests).
+- ``launch``: start ``python -m server`` as a child process (chapters 9, 10 and 15, the tests).
 
-Chapter 14's router, a proxy with the same API in front of several servers
+Chapter 15's router, a proxy with the same API in front of several servers
 (``python -m server.router``):
 
 - ``router_config``: its flags, or ``MINILLM_ROUTER_*`` environment variables.

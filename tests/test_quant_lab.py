@@ -1,5 +1,5 @@
 """The quantization lab in its smoke size: every format measured, and the accounting adds up.
-(Speed is not judged here, CI machines are too noisy; the figures live in chapter 11.)"""
+(Speed is not judged here, CI machines are too noisy; the figures live in chapter 12.)"""
 
 from __future__ import annotations
 

@@ -42,10 +42,10 @@ class LLM:
 
     ``speculative_draft`` (a ``GPT``, a checkpoint path, or ``"ngram"`` for prompt lookup)
     turns on speculative decoding with ``num_speculative_tokens`` drafts per step; it applies
-    to steps that decode a single prompt, and batched steps run as usual (chapter 12).
+    to steps that decode a single prompt, and batched steps run as usual (chapter 13).
 
     ``quantize="int8"`` or ``"int4"`` stores the model's matrices in that many bits
-    (``minillm.quant``); its activations are then bf16 unless ``dtype`` says otherwise (chapter 11)."""
+    (``minillm.quant``); its activations are then bf16 unless ``dtype`` says otherwise (chapter 12)."""
 
     def __init__(
         self,
