@@ -43,3 +43,44 @@ def test_bad_ranges_are_one_line_errors() -> None:
     for bad in ("a:b", "0:5", "9:3"):
         with pytest.raises(UsageError):
             parse_range(bad)
+
+
+def test_the_decode_roof_is_the_slower_of_bytes_and_flops() -> None:
+    from minillm.bench.decode import roof
+    from minillm.config import get_preset
+    from minillm.model import GPT, matmul_parameters
+
+    model = GPT(get_preset("tiny"))
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bandwidth, flops = 10e9, 1e12
+    memory_bound = bandwidth / weight_bytes
+    compute_bound = flops / (2 * matmul_parameters(model.cfg))
+    assert roof(model, 1, bandwidth, flops) == pytest.approx(min(memory_bound, compute_bound))
+    ridge = int(compute_bound / memory_bound) + 1  # the first batch past the ridge
+    assert roof(model, ridge, bandwidth, flops) == pytest.approx(compute_bound)
+    assert roof(model, ridge - 1, bandwidth, flops) == pytest.approx((ridge - 1) * memory_bound)
+
+
+def test_decode_summary_quotes_medians_and_the_target_ratios() -> None:
+    from minillm.bench.decode import summary
+
+    rates = {"ours, captured": {1: [10.0, 30.0, 20.0]}, "ours, eager + packed weights": {1: [40.0]},
+             "ours, plain eager": {1: [5.0]}, "llama.cpp (llama-bench)": {1: [50.0, 50.0]}}
+    lines = summary({"rates": rates, "roof": {1: 100.0}})
+    assert "20.0 [10-30] (20%)" in lines[0]
+    assert any(line.strip() == "captured vs llama.cpp (llama-bench): batch 1 0.40x" for line in lines)
+    assert any(line.strip() == "eager + packed weights vs llama.cpp (llama-bench): batch 1 0.80x" for line in lines)
+
+
+def test_bf16_is_skipped_aloud_where_the_cpu_only_emulates_it(monkeypatch, capsys) -> None:
+    import torch
+
+    from minillm.bench import __main__ as bench_main
+    from minillm.bench import decode
+
+    monkeypatch.setattr(decode, "cpu_has_bf16_matmul", lambda: False)
+    assert bench_main.parse_dtypes("float32,bfloat16", torch.device("cpu")) == [torch.float32]
+    assert "skipping bfloat16" in capsys.readouterr().out
+    assert bench_main.parse_dtypes("bfloat16", torch.device("cpu")) == [torch.bfloat16]  # asked alone: measured
+    monkeypatch.setattr(decode, "cpu_has_bf16_matmul", lambda: True)
+    assert bench_main.parse_dtypes("float32,bfloat16", torch.device("cpu")) == [torch.float32, torch.bfloat16]

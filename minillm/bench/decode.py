@@ -121,28 +121,33 @@ def roof(model: GPT, batch: int, bandwidth: float, flops: float) -> float:
 
 def run_decode_bench(model: GPT, batches: list[int], new_tokens: int, with_hf: bool = True,
                      with_llamacpp: bool = True, repeats: int = 3) -> dict:
-    """Every method at every batch size, as ``{"rates": {method: {batch: [tok/s, ...]}}, ...}``
-    with ``repeats`` runs of our engine (medians and spreads are taken from them)."""
+    """Every method at every batch size, as ``{"rates": {method: {batch: [tok/s, ...]}}, ...}``.
+
+    The ``repeats`` rounds are interleaved: each round runs every method once, so a machine
+    that speeds up or slows down during the run (other jobs, heat) moves all of them alike,
+    and the medians compare methods measured side by side."""
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bandwidth = measure_bandwidth(model.device, "reduce", nbytes=weight_bytes)
     flops = measure_matmul_flops(model.device, model.dtype)
     report = {"bandwidth": bandwidth, "matmul_flops": flops, "weight_bytes": weight_bytes,
               "roof": {b: roof(model, b, bandwidth, flops) for b in batches}, "rates": {}, "startup_s": {}}
-    for method, options in ENGINES.items():
-        report["rates"][method], report["startup_s"][method] = {}, {}
-        for b in batches:
-            runs = [engine_rate(model, b, new_tokens, **options) for _ in range(repeats)]
-            report["rates"][method][b] = [rate for rate, _ in runs]
-            report["startup_s"][method][b] = [s for _, s in runs]
-            print(f"  {method:<30} batch {b:>3}: {statistics.median(report['rates'][method][b]):8.1f} tok/s", flush=True)
+    rates, startups = report["rates"], report["startup_s"]
     hf = load_hf(model) if with_hf else None
-    if hf is not None:
-        report["rates"]["transformers generate"] = {
-            b: [hf_rate(hf, b, new_tokens, model.cfg.vocab_size)] for b in batches}
-    llama = llamacpp_rates(model, batches, new_tokens, "f32" if model.dtype == torch.float32 else "bf16") \
-        if with_llamacpp else None
-    for name, rates in (llama or {}).items():
-        report["rates"][f"llama.cpp ({name})"] = {b: [r] for b, r in rates.items()}
+    llama_dtype = "f32" if model.dtype == torch.float32 else "bf16"
+    for round_ in range(repeats):
+        for b in batches:
+            for method, options in ENGINES.items():
+                rate, startup = engine_rate(model, b, new_tokens, **options)
+                rates.setdefault(method, {}).setdefault(b, []).append(rate)
+                startups.setdefault(method, {}).setdefault(b, []).append(startup)
+                print(f"  round {round_ + 1}: {method:<30} batch {b:>3}: {rate:8.1f} tok/s", flush=True)
+            if hf is not None:
+                rates.setdefault("transformers generate", {}).setdefault(b, []).append(
+                    hf_rate(hf, b, new_tokens, model.cfg.vocab_size))
+        llama = llamacpp_rates(model, batches, new_tokens, llama_dtype) if with_llamacpp else None
+        for name, by_batch in (llama or {}).items():
+            for b, rate in by_batch.items():
+                rates.setdefault(f"llama.cpp ({name})", {}).setdefault(b, []).append(rate)
     return report
 
 
@@ -154,16 +159,18 @@ def bf16_note(device: torch.device) -> str | None:
 
 
 def summary(report: dict) -> list[str]:
-    """The table's lines: median tok/s (spread), fraction of roof, and the ratios the targets use."""
+    """The table's lines: median tok/s [lowest-highest of the rounds] (fraction of roof), and
+    the ratios the targets are stated in, for our captured and packed-eager engines."""
     rates, lines = report["rates"], []
     median = {m: {b: statistics.median(v) for b, v in r.items()} for m, r in rates.items()}
     for method, by_batch in median.items():
-        cells = [f"{by_batch[b]:8.1f} ({by_batch[b] / report['roof'][b]:4.0%})" for b in by_batch]
-        lines.append(f"  {method:<36}" + "".join(cells))
-    ours = median["ours, captured"]
-    for other in [m for m in median if m.startswith(("llama.cpp", "transformers"))]:
-        ratios = ", ".join(f"batch {b} {ours[b] / r:.2f}x" for b, r in median[other].items() if b in ours)
-        lines.append(f"  captured vs {other}: {ratios}")
+        cells = [f"{by_batch[b]:8.1f} [{min(rates[method][b]):.0f}-{max(rates[method][b]):.0f}] "
+                 f"({by_batch[b] / report['roof'][b]:3.0%})" for b in by_batch]
+        lines.append(f"  {method:<34}" + "".join(cells))
+    for ours in ("ours, captured", "ours, eager + packed weights"):
+        for other in [m for m in median if m.startswith(("llama.cpp", "transformers"))]:
+            ratios = ", ".join(f"batch {b} {median[ours][b] / r:.2f}x" for b, r in median[other].items())
+            lines.append(f"  {ours.removeprefix('ours, ')} vs {other}: {ratios}")
     return lines
 
 

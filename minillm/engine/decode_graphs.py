@@ -36,6 +36,8 @@ from minillm.engine.scheduler import ScheduledChunk
 from minillm.model import GPT
 from minillm.settings import cache_dir
 
+# Inductor may treat the weights as constants of the program ("freezing"): a decode step never
+# changes them, and the packed copies (minillm.packed) already assume they do not change.
 COMPILE_OPTIONS = {"freezing": True}
 Program = Callable[[], tuple[torch.Tensor, torch.Tensor]]
 
