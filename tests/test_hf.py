@@ -16,6 +16,7 @@ from minillm.generate import generate_kv_cache
 from minillm.hf import export_hf, gpt2_vocab, load_hf
 from minillm.model import GPT
 from minillm.tokenizer import EOT_ID, bpe_files, get_tokenizer
+from models import lively_tiny
 
 TEXTS = [
     "hello world",
@@ -45,18 +46,6 @@ def model() -> GPT:
     return perturbed_tiny()
 
 
-def lively_tiny() -> GPT:
-    """A random tiny model whose greedy continuations vary. At GPT-2's initialisation a tiny
-    model repeats one token, its top two logits a thousandth apart; larger weights and a
-    sharper final LayerNorm give it changing tokens, each step's winner clear by a margin."""
-    torch.manual_seed(0)
-    m = GPT(get_preset("tiny"))
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if not name.startswith("tok_emb"):
-                p.add_(0.3 * torch.randn_like(p))
-        m.ln_f.weight.mul_(20)
-    return m.eval()
 
 
 @pytest.fixture(scope="module")

@@ -18,29 +18,18 @@ import torch
 
 from minillm.bench import llamacpp
 from minillm.checkpoint import load_model
-from minillm.config import get_preset
 from minillm.generate import generate_kv_cache
 from minillm.gguf_export import export_gguf, gguf_context_length, gguf_name_map
 from minillm.hf import gpt2_vocab
 from minillm.model import GPT
 from minillm.settings import preset_dir
 from minillm.tokenizer import EOT_ID, get_tokenizer
+from models import lively_tiny
 
 PROMPTS = ["Once upon a time", "The little girl saw a", "Tom and his dog went to the park. They"]
 needs_llamacpp = pytest.mark.skipif(not llamacpp.available(), reason="llama.cpp is not built (make llamacpp)")
 
 
-def lively_tiny() -> GPT:
-    """A random tiny model whose greedy continuations vary, with nonzero biases and norms so
-    every tensor matters (GPT-2's initialisation repeats one token, its logits nearly tied)."""
-    torch.manual_seed(0)
-    m = GPT(get_preset("tiny"))
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if not name.startswith("tok_emb"):
-                p.add_(0.3 * torch.randn_like(p))
-        m.ln_f.weight.mul_(20)
-    return m.eval()
 
 
 @pytest.fixture(scope="module")

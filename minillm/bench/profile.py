@@ -81,7 +81,7 @@ def _instrument(engine: LLMEngine, timer: PhaseTimer) -> Callable[[], None]:
     if graphs is None:
         patches += [(model, "hidden_states", "forward"), (model, "logits", "LM head")]
     else:  # the model's methods are inside the compiled program: wrapping them would recompile it
-        patches += [(graphs, "_fill", "step tensors"), (graphs, "program", "forward + LM head")]
+        patches += [(graphs, "fill", "step tensors"), (graphs, "program", "forward + LM head")]
     originals = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, phase in patches:
         fn = getattr(obj, name)

@@ -132,11 +132,11 @@ class DecodeGraphs:
         """Logits ``[n, vocab]`` (float32) and their argmax ``[n]`` for ``n`` decodes."""
         n = len(decodes)
         b = self.bucket(n)
-        self._fill(decodes, b)
+        self.fill(decodes, b)
         logits, greedy = self.program(b)()
         return logits[:n], greedy[:n]
 
-    def _fill(self, decodes: list[ScheduledChunk], b: int) -> None:
+    def fill(self, decodes: list[ScheduledChunk], b: int) -> None:
         """Write the step's rows into the buffers and reset the padding rows after them.
         Only the first ``width`` columns of a table are ever read (``lengths`` masks the
         rest), so only those are written."""
