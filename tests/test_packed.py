@@ -73,3 +73,39 @@ def test_what_cannot_be_packed_says_why():
     with pytest.raises(ValueError, match="float32"):
         LLM(_model().to(torch.bfloat16), num_blocks=8, pack_weights=True)
     assert LLM(_model().to(torch.bfloat16), num_blocks=8).engine.model.dtype == torch.bfloat16  # unpacked
+
+
+def test_slabs_share_the_rows_evenly_between_threads():
+    assert packed.slabs_for(1536, 2) == 2
+    assert packed.slabs_for(50257, 2) == 29  # 29 x 1,733: 15 slabs to one thread, 14 to the other
+    assert packed.slabs_for(50257, 4) == 1  # 29 slabs over 4 threads leaves one 10% over: no split
+    assert packed.slabs_for(7, 2) == 1 and packed.slabs_for(1024, 1) == 1
+
+
+@torch.inference_mode()
+def test_one_row_goes_through_the_slabs_and_more_rows_through_the_packed_kernel():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 58)  # 58 = 2 x 29 rows
+    head = nn.Linear(64, 29 * 3, bias=False)  # an odd row count, cut in 29 slabs of 3
+    for plain in (layer, head):
+        fast = PackedLinear(plain)
+        assert packed._PACKED[packed._key(plain.weight)][2] == packed.slabs_for(plain.out_features, torch.get_num_threads())
+        for rows in (1, 2, 5):
+            x = torch.randn(rows, 64)
+            with Ops() as seen:
+                y = fast(x)
+            torch.testing.assert_close(y, plain(x), rtol=1e-5, atol=1e-5)
+            slabbed = rows == 1 and packed.slabs_for(plain.out_features, torch.get_num_threads()) > 1
+            assert bool(seen.names & {"bmm", "baddbmm"}) == slabbed
+            assert ("_linear_pointwise" in seen.names) == (not slabbed)
