@@ -18,9 +18,10 @@ faster than oneDNN's packed kernel, and takes a whole batch-1 forward pass from 
 :func:`pack_weights` returns the model the engine runs: a copy whose ``nn.Linear`` layers and
 tied output matrix use prepacked weights, and which shares every parameter tensor with the
 original (the packed copies are the only new memory, one more copy of the matrices). The
-product is :func:`packed_linear`, also registered as a ``torch.library`` operator so that a
-compiled decode step can call it as one node. Only float32 on a CPU: oneDNN's bf16 kernels
-need AVX-512 or AVX-NE instructions, and on a GPU cuBLAS reads the weights as they are.
+product is :func:`packed_linear`. This is the eager path's layout: a compiled decode step
+(``minillm.engine.decode_graphs``) starts from the plain model and lets Inductor lay the
+weights out for its own kernels. Only float32 on a CPU: oneDNN's bf16 kernels need AVX-512 or
+AVX-NE instructions, and on a GPU cuBLAS reads the weights as they are.
 """
 
 from __future__ import annotations
@@ -35,11 +36,10 @@ import torch.nn.functional as F
 from minillm.model import GPT, TokenEmbedding
 
 # Packed copies by (address, shape) of the weight they were made from, with how many modules
-# use each and the weight's slab count (:func:`slabs_for`). A compiled graph may hand the
-# operator an alias of the parameter rather than the parameter itself; the address and shape
-# name the same weight either way, and cannot be reused by another tensor while a module
-# holding the weight is alive. Packing is a snapshot: a weight changed in place afterwards
-# (training, load_state_dict) leaves its packed copy stale (the slabs read the weight itself).
+# use each and the weight's slab count (:func:`slabs_for`): two engines over one model share
+# one copy. The address cannot be reused by another tensor while a module holding the weight
+# is alive. Packing is a snapshot: a weight changed in place afterwards (training,
+# load_state_dict) leaves its packed copy stale (the slabs read the weight itself).
 _PACKED: dict[tuple[int, tuple[int, ...]], list] = {}
 
 
@@ -81,22 +81,6 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], out_features)
 
 
-# The same function as a ``torch.library`` operator, which a compiled graph calls as one node
-# (Dynamo cannot trace a packed oneDNN tensor). Called eagerly, an operator costs tens of
-# microseconds of dispatch per call, a tenth of a batch-1 step here, so eager code calls the
-# function itself.
-packed_linear_op = torch.library.custom_op("minillm::packed_linear", packed_linear, mutates_args=())
-
-
-@packed_linear_op.register_fake
-def _(x, weight, bias):  # noqa: ANN001
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return (packed_linear_op if torch.compiler.is_compiling() else packed_linear)(x, weight, bias)
-
-
 def _pack(owner: nn.Module, weight: torch.Tensor) -> None:
     """Pack ``weight`` for as long as ``owner`` (or another module packing it) lives."""
     key = _key(weight)
@@ -124,7 +108,7 @@ class PackedLinear(nn.Module):
         _pack(self, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _product(x, self.weight, self.bias)
+        return packed_linear(x, self.weight, self.bias)
 
 
 class PackedTokenEmbedding(TokenEmbedding):
@@ -136,7 +120,7 @@ class PackedTokenEmbedding(TokenEmbedding):
         _pack(self, self.weight)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _product(hidden, self.weight, None)
+        return packed_linear(hidden, self.weight, None)
 
 
 def packing_unsupported(model: nn.Module) -> str | None:

@@ -61,7 +61,7 @@ def test_the_pad_block_is_storage_the_allocator_never_hands_out():
 def test_compiled_decode_gives_the_eager_tokens_through_preemption_and_prefix_hits():
     model = _model()
     prompts, params = _workload()
-    options = dict(num_blocks=14, block_size=4, max_num_seqs=8)
+    options = dict(num_blocks=14, block_size=4, max_num_seqs=4)
     eager = LLM(model, **options, enforce_eager=True)
     compiled = LLM(model, **options, enforce_eager=False)
     expected = _generate(eager, prompts, params)
@@ -135,7 +135,7 @@ def test_the_cuda_graph_path_replays_the_eager_tokens(monkeypatch):
     monkeypatch.setattr(decode_graphs, "capture_cuda_graph", _fake_capture(replays))
     model = _model()
     prompts, params = _workload()
-    options = dict(num_blocks=14, block_size=4, max_num_seqs=8)
+    options = dict(num_blocks=14, block_size=4, max_num_seqs=4)
     expected = _generate(LLM(model, **options, enforce_eager=True), prompts, params)
     llm = LLM(model, **options, enforce_eager=True)
     engine = llm.engine

@@ -150,8 +150,8 @@ class LLMEngine:
                 f"tensor_parallel_size={config.tensor_parallel_size} needs the model split over that many "
                 "processes: build the engine with minillm.engine.build_engine (or LLM), which starts them"
             )
-        self.model = _engine_model(model.eval(), config)
-        model = self.model
+        plain = model.eval()
+        self.model = model = _engine_model(plain, config)
         self.config = config
         self.tokenizer = tokenizer or get_tokenizer()
         if config.attention == "triton":  # fail now, not in the first request
@@ -167,7 +167,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             num_lookahead_slots=speculator.k if speculator is not None else 0,
         )
-        self.graphs, self.eager_reason = self._decode_graphs(model, config)
+        self.graphs, self.eager_reason = self._decode_graphs(plain, config)
         self.runner = ModelRunner(model, self.pool, config.attention, speculator, self.graphs)
         self._steps = self._prefill_tokens = self._generated = 0
         self.last_step: SchedulerOutput | None = None  # what the latest step ran, for timelines and dashboards
