@@ -45,8 +45,9 @@ from minillm.settings import cache_dir
 # the faster. On a 2-core AVX2 machine the generated kernel reads the weights of a batch-1 to
 # batch-8 step about 1.3x faster than oneDNN's packed one (chapter 11). The cost: a few
 # seconds of timing per shape at the first start, and each bucket holds the weights in its
-# kernels' layout.
-CPU_INDUCTOR_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+# kernels' layout. The timings are not printed (the last two keys).
+CPU_INDUCTOR_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                       "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
 Program = Callable[[], tuple[torch.Tensor, torch.Tensor]]
 
 

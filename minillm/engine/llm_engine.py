@@ -59,8 +59,8 @@ class EngineConfig:
     # Decode-only steps as captured programs (minillm.engine.decode_graphs): True keeps every
     # step eager (the reference); False captures them wherever the model allows (not a
     # tensor-parallel or quantized one); None captures where it is cheap: a CUDA graph records
-    # in well under a second, while Inductor compiles for about half a minute per batch bucket
-    # on a small CPU, which a server pays once and a notebook should not.
+    # in well under a second, while Inductor compiles and times its matrix kernels for about a
+    # minute per batch bucket on a small CPU, which a server pays once and a notebook should not.
     enforce_eager: bool | None = None
     # Run a copy of the model whose matrices are prepacked for oneDNN (minillm.packed): True
     # insists, False keeps the weights as they are, None packs wherever it is supported (a
