@@ -107,7 +107,7 @@ class DecodeGraphs:
         reason = capture_unsupported(model)
         if reason is not None:
             raise ValueError(reason)
-        self.model, self.pool, self.attention = model, pool, attention
+        self.pool = pool
         self.mode = mode or capture_mode(model.device)
         if self.mode not in ("compile", "cuda-graph"):
             raise ValueError(f"mode must be 'compile' or 'cuda-graph', got {self.mode!r}")
