@@ -24,7 +24,7 @@ serve: $(BASE)
 test: test-unit test-notebooks
 
 test-unit: $(DEV)
-	MINILLM_QUICK=1 $(PY) -m pytest tests/
+	MINILLM_QUICK=1 MINILLM_REQUIRE_TRITON=1 $(PY) -m pytest tests/
 
 test-notebooks: $(DEV)
 	MINILLM_QUICK=1 $(PY) -m pytest --nbval-lax --nbval-current-env notebooks/

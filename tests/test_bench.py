@@ -8,6 +8,8 @@ import pytest
 from minillm.bench import engine as eb
 from minillm.bench.__main__ import main, parse_range
 from minillm.cli import UsageError
+from minillm.config import get_preset
+from minillm.model import count_parameters
 
 
 def test_smoke_run_reports_every_method(tmp_path, home) -> None:
@@ -28,7 +30,10 @@ def test_smoke_run_reports_every_method(tmp_path, home) -> None:
     waste = run["kv_waste"]
     assert all(0 <= v < 1 for v in waste.values())
     assert waste["paged"] < waste["max_context"]  # blocks waste less than whole-context reservations
-    assert 0 < run["batch1"]["fraction_of_roofline"]
+    b1 = run["batch1"]  # the roof is every weight read once per token at the measured bandwidth
+    assert b1["roofline_tokens_per_s"] == pytest.approx(b1["bandwidth"] / b1["weight_bytes"])
+    assert b1["fraction_of_roofline"] == pytest.approx(b1["tokens_per_s"] / b1["roofline_tokens_per_s"])
+    assert b1["weight_bytes"] == 4 * count_parameters(get_preset("tiny"))  # float32: four bytes a parameter
 
 
 def test_contiguous_waste_arithmetic() -> None:

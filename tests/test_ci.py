@@ -52,3 +52,9 @@ def test_both_workflows_install_the_cpu_torch_wheel():
         flow = workflow(name)
         job = next(iter(flow["jobs"].values()))
         assert job["env"]["PIP_EXTRA_INDEX_URL"].endswith("/whl/cpu"), name
+
+
+def test_make_test_requires_triton_so_its_kernel_tests_cannot_silently_skip():
+    recipe = (ROOT / "Makefile").read_text().split("test-unit:", 1)[1].splitlines()[1]
+    assert "MINILLM_REQUIRE_TRITON=1" in recipe and "pytest tests/" in recipe
+    assert "triton" in (ROOT / "Makefile").read_text().split("$(DEV):", 1)[1].splitlines()[1]

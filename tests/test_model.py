@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -22,9 +24,47 @@ def model():
     return GPT(TINY).eval()
 
 
-def test_logits_shape(model):
+def reference_logits(model: GPT, tokens: torch.Tensor) -> torch.Tensor:
+    """GPT-2's forward written out from the weights alone, one formula a line, so a change to
+    any layer of the module (norm order, GELU form, head split, scaling, positions, tied head)
+    shows up as a difference."""
+    w, cfg = model.state_dict(), model.cfg
+    heads, t = cfg.n_heads, tokens.shape[1]
+
+    def norm(x: torch.Tensor, name: str) -> torch.Tensor:
+        centred = x - x.mean(-1, keepdim=True)
+        return centred / (centred.pow(2).mean(-1, keepdim=True) + cfg.layer_norm_eps).sqrt() * w[f"{name}.weight"] + w[f"{name}.bias"]
+
+    def linear(x: torch.Tensor, name: str) -> torch.Tensor:
+        return x @ w[f"{name}.weight"].T + w[f"{name}.bias"]
+
+    def split(x: torch.Tensor) -> torch.Tensor:  # [b, t, d] -> [b, heads, t, d / heads]
+        return x.view(x.shape[0], t, heads, -1).transpose(1, 2)
+
+    x = w["tok_emb.weight"][tokens] + w["pos_emb.weight"][:t]
+    future = torch.ones(t, t, dtype=torch.bool).triu(1)
+    for i in range(cfg.n_layers):
+        b = f"blocks.{i}"
+        q, k, v = map(split, linear(norm(x, f"{b}.ln1"), f"{b}.attn.qkv").chunk(3, dim=-1))
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(future, float("-inf"))
+        mixed = (scores.softmax(-1) @ v).transpose(1, 2).reshape_as(x)
+        x = x + linear(mixed, f"{b}.attn.proj")
+        hidden = linear(norm(x, f"{b}.ln2"), f"{b}.mlp.fc")
+        gelu = 0.5 * hidden * (1 + torch.tanh(math.sqrt(2 / math.pi) * (hidden + 0.044715 * hidden ** 3)))
+        x = x + linear(gelu, f"{b}.mlp.proj")
+    return norm(x, "ln_f") @ w["tok_emb.weight"].T
+
+
+def test_logits_equal_gpt2_written_out_by_hand(model):
+    with torch.no_grad():  # every parameter random, so zero biases and unit norms hide nothing
+        for name, p in model.named_parameters():  # norms near one, products of order one
+            p.copy_(1 + 0.2 * torch.randn_like(p) if name.endswith("ln1.weight") or name.endswith("ln2.weight")
+                    or name == "ln_f.weight" else torch.randn_like(p) / math.sqrt(p.shape[-1]))
     x = torch.randint(0, TINY.vocab_size, (3, 10))
-    assert model(x).shape == (3, 10, TINY.vocab_size)
+    with torch.no_grad():
+        logits = model(x)
+        assert logits.shape == (3, 10, TINY.vocab_size)
+        assert torch.allclose(logits, reference_logits(model, x), atol=1e-4, rtol=1e-4)
 
 
 def test_future_tokens_never_change_earlier_logits(model):
