@@ -25,6 +25,9 @@ from server.wire import OpenAIError, invalid
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 64  # prompts x n in one request; more is a batch job, not a request
+# A seed seeds a torch.Generator, which takes a 64-bit integer; like vLLM, take the signed range
+# (torch would alias -1 and 2**64 - 1). Choice j draws with seed + j, so that must fit too.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 _KINDS: dict[str, Callable[[Any], bool]] = {
     "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -217,6 +220,10 @@ def _request(body: dict, chat: bool, prompts: list[list[int]], max_tokens: int |
     n = _field(body, "n", 1)
     if not 1 <= n or len(prompts) * n > MAX_CHOICES:
         raise invalid(f"n must be >= 1, with at most {MAX_CHOICES} completions per request", "n")
+    seed = _field(body, "seed", None)
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX - (n - 1):
+        raise invalid(f"seed must be in {SEED_MIN}..{SEED_MAX - (n - 1)} with n={n} "
+                      "(choice j draws with seed + j)", "seed")
     stream = _field(body, "stream", False)
     options = _field(body, "stream_options", None)
     if options is not None and not stream:
@@ -233,7 +240,7 @@ def _request(body: dict, chat: bool, prompts: list[list[int]], max_tokens: int |
             top_k=None if top_k == -1 else top_k,  # vLLM's -1 also means "all tokens"
             stop=_stop(body.get("stop")),
             ignore_eos=_field(body, "ignore_eos", False),
-            seed=_field(body, "seed", None),
+            seed=seed,
         )
     except ValueError as err:
         raise invalid(str(err), str(err).split()[0]) from None

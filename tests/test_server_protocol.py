@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import math
+from typing import Any, Callable
+
 import pytest
+import torch
 
 from minillm.cli import UsageError
-from minillm.tokenizer import get_tokenizer
+from minillm.model import GPT
+from minillm.tokenizer import Tokenizer, get_tokenizer
 from server.config import ServerConfig, build_parser, env_name, parse_args
-from server.protocol import ModelCard, Responses, chat_prompt, parse_chat, parse_completion
+from server.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, MAX_CHOICES, GenerationRequest, ModelCard, Responses,
+                             chat_prompt, parse_chat, parse_completion)
 from server.wire import OpenAIError, sse
+from test_server import CONTEXT, model, run, serving  # noqa: F401 (model is a fixture)
 
 CARD = ModelCard("minillm", max_model_len=128, vocab_size=50257)
 
@@ -128,3 +136,154 @@ def test_chunks_have_openai_shapes() -> None:
     text = Responses("cmpl-1", "minillm", chat=False)
     assert "usage" not in text.chunk(0, "x") and text.chunk(0, "x")["choices"][0]["text"] == "x"
     assert sse("[DONE]") == b"data: [DONE]\n\n"
+
+
+# ----------------------------------------------------------------------------- limits, at their edges
+#
+# Each limit is tested on both sides: the last value accepted, and the first refused, which must
+# be a 400 naming the field. The edges come from the card and the protocol's constants, so the
+# tests follow the limits rather than restating them.
+
+LEN, VOCAB = CARD.max_model_len, CARD.vocab_size
+LONG = torch.iinfo(torch.long)  # the range of a torch.Generator's seed, signed as vLLM takes it
+HALF = LEN // 2
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return get_tokenizer()
+
+
+def refusal(parse: Callable[..., GenerationRequest], body: dict, tok: Tokenizer) -> OpenAIError:
+    with pytest.raises(OpenAIError) as err:
+        parse(body, tok, CARD)
+    assert err.value.status == 400 and err.value.type == "invalid_request_error", err.value.body()
+    return err.value
+
+
+# (last accepted, first refused, the param the 400 names)
+COMPLETION_EDGES = {
+    "max_tokens at least 1": ({"prompt": "hi", "max_tokens": 1}, {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    "prompt + max_tokens fits the context exactly": (
+        {"prompt": [1] * HALF, "max_tokens": LEN - HALF}, {"prompt": [1] * HALF, "max_tokens": LEN - HALF + 1},
+        "max_tokens"),
+    "the longest prompt sets the room, wherever it is": (
+        {"prompt": [[1], [1] * HALF, [1]], "max_tokens": LEN - HALF},
+        {"prompt": [[1], [1] * HALF, [1]], "max_tokens": LEN - HALF + 1}, "max_tokens"),
+    "a prompt leaves room for one token": ({"prompt": [1] * (LEN - 1)}, {"prompt": [1] * LEN}, "prompt"),
+    "every prompt of a list leaves room": ({"prompt": [[1], [1] * (LEN - 1)]}, {"prompt": [[1], [1] * LEN]}, "prompt"),
+    "token ids below the vocabulary size": ({"prompt": [VOCAB - 1]}, {"prompt": [VOCAB]}, "prompt"),
+    "token ids from 0": ({"prompt": [0]}, {"prompt": [-1]}, "prompt"),
+    "token ids checked in every prompt": ({"prompt": [[1], [VOCAB - 1]]}, {"prompt": [[1], [VOCAB]]}, "prompt"),
+    "n at least 1": ({"prompt": "hi", "n": 1}, {"prompt": "hi", "n": 0}, "n"),
+    "temperature from 0": ({"prompt": "hi", "temperature": 0}, {"prompt": "hi", "temperature": math.nextafter(0, -1)},
+                           "temperature"),
+    "top_p at most 1": ({"prompt": "hi", "top_p": 1.0}, {"prompt": "hi", "top_p": math.nextafter(1, 2)}, "top_p"),
+    "top_p above 0": ({"prompt": "hi", "top_p": math.nextafter(0, 1)}, {"prompt": "hi", "top_p": 0.0}, "top_p"),
+    "top_k from -1 (all tokens)": ({"prompt": "hi", "top_k": -1}, {"prompt": "hi", "top_k": -2}, "top_k"),
+    "seed at most a long": ({"prompt": "hi", "seed": LONG.max}, {"prompt": "hi", "seed": LONG.max + 1}, "seed"),
+    "seed at least a long": ({"prompt": "hi", "seed": LONG.min}, {"prompt": "hi", "seed": LONG.min - 1}, "seed"),
+    "the last choice's seed + j fits a long": (
+        {"prompt": "hi", "n": 3, "seed": LONG.max - 2}, {"prompt": "hi", "n": 3, "seed": LONG.max - 1}, "seed"),
+    "stop strings non-empty": ({"prompt": "hi", "stop": ["a", "\n"]}, {"prompt": "hi", "stop": ["a", ""]}, "stop"),
+    "best_of only 1": ({"prompt": "hi", "best_of": 1}, {"prompt": "hi", "best_of": 2}, "best_of"),
+    "top_logprobs only 0": ({"prompt": "hi", "top_logprobs": 0}, {"prompt": "hi", "top_logprobs": 1}, "top_logprobs"),
+    "frequency_penalty only 0": ({"prompt": "hi", "frequency_penalty": 0.0},
+                                 {"prompt": "hi", "frequency_penalty": math.nextafter(0, 1)}, "frequency_penalty"),
+    "logit_bias only empty": ({"prompt": "hi", "logit_bias": {}}, {"prompt": "hi", "logit_bias": {"1": 1}},
+                              "logit_bias"),
+}
+
+
+@pytest.mark.parametrize("accepted, refused, param", COMPLETION_EDGES.values(), ids=COMPLETION_EDGES)
+def test_completion_limits_at_their_edges(accepted: dict, refused: dict, param: str, tok: Tokenizer) -> None:
+    """An off-by-one hides from values far past a limit: the last value in must pass, and
+    the first one out must be a 400 that names its field."""
+    req = parse_completion(accepted, tok, CARD)
+    assert all(len(prompt) + params.max_tokens <= LEN for prompt, params in req.choices())
+    assert refusal(parse_completion, refused, tok).param == param
+
+
+@pytest.mark.parametrize("prompts", [1, 2, MAX_CHOICES])
+def test_choices_count_prompts_times_n(prompts: int, tok: Tokenizer) -> None:
+    """The choice limit is on prompts x n, what the engine runs, not on n alone: with k
+    prompts, n = MAX_CHOICES / k fills it exactly and one more choice each is refused."""
+    n = MAX_CHOICES // prompts
+    body = {"prompt": [[1]] * prompts, "n": n}
+    assert len(parse_completion(body, tok, CARD).choices()) == MAX_CHOICES
+    assert refusal(parse_completion, {**body, "n": n + 1}, tok).param == "n"
+    assert refusal(parse_completion, {"prompt": [[1]] * (MAX_CHOICES + 1)}, tok).param == "n"
+
+
+def test_the_default_max_tokens_is_cut_exactly_to_the_room(tok: Tokenizer) -> None:
+    """Without max_tokens a completion gets OpenAI's default while it fits, and exactly the
+    room left once it does not: never more (the engine would overrun the context), never less."""
+    fits = [1] * (LEN - DEFAULT_COMPLETION_MAX_TOKENS)
+    assert parse_completion({"prompt": fits}, tok, CARD).params.max_tokens == DEFAULT_COMPLETION_MAX_TOKENS
+    assert parse_completion({"prompt": fits + [1]}, tok, CARD).params.max_tokens == DEFAULT_COMPLETION_MAX_TOKENS - 1
+    assert parse_completion({"prompt": [1] * (LEN - 1)}, tok, CARD).params.max_tokens == 1
+
+
+def chat_of(tok: Tokenizer, tokens: int) -> list[dict[str, Any]]:
+    """A one-message conversation whose transcript encodes to exactly ``tokens`` tokens."""
+    for words in range(tokens):
+        messages = [{"role": "user", "content": " ".join(["a"] * words)}]
+        if len(tok.encode(chat_prompt(messages))) == tokens:
+            return messages
+    raise AssertionError(f"no conversation of {tokens} tokens")
+
+
+@pytest.mark.parametrize("param", ["max_tokens", "max_completion_tokens"])
+def test_chat_limits_at_their_edges(param: str, tok: Tokenizer) -> None:
+    """The chat endpoint checks the same edges, on the transcript, naming whichever of its
+    two length fields the client sent, and ``messages`` for a conversation with no room."""
+    messages = chat_of(tok, HALF)
+    room = LEN - HALF
+    assert parse_chat({"messages": messages}, tok, CARD).params.max_tokens == room  # default: to the end
+    assert parse_chat({"messages": messages, param: room}, tok, CARD).params.max_tokens == room
+    assert refusal(parse_chat, {"messages": messages, param: room + 1}, tok).param == param
+    assert parse_chat({"messages": messages, param: 1}, tok, CARD).params.max_tokens == 1
+    assert refusal(parse_chat, {"messages": messages, param: 0}, tok).param == param
+    assert parse_chat({"messages": chat_of(tok, LEN - 1)}, tok, CARD).params.max_tokens == 1
+    assert refusal(parse_chat, {"messages": chat_of(tok, LEN)}, tok).param == "messages"
+    assert len(parse_chat({"messages": messages, "n": MAX_CHOICES}, tok, CARD).choices()) == MAX_CHOICES
+    assert refusal(parse_chat, {"messages": messages, "n": MAX_CHOICES + 1}, tok).param == "n"
+
+
+BODY_LIMIT = 4096
+
+
+def test_edges_through_the_server(model: GPT) -> None:  # noqa: F811 (the fixture)
+    """Through HTTP: an exact context fit and a body of exactly ``--max-body-bytes`` are
+    served, one token or one byte more is refused in OpenAI's error shape, and an edge seed is
+    accepted by the engine itself (torch's generator), not only by the protocol."""
+    async def error(response, status: int) -> dict:
+        assert response.status == status, await response.text()
+        error = (await response.json())["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+        return error
+
+    async def main() -> None:
+        async with serving(model, max_body_bytes=BODY_LIMIT) as client:
+            fit = {"prompt": [1] * (CONTEXT - 2), "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+            ok = await client.post("/v1/completions", json=fit)
+            assert ok.status == 200, await ok.text()
+            assert (await ok.json())["usage"]["total_tokens"] == CONTEXT
+            over = await client.post("/v1/completions", json={**fit, "max_tokens": 3})
+            assert (await error(over, 400))["param"] == "max_tokens"
+
+            for seed, n in [(LONG.max - 1, 2), (LONG.min, 1)]:
+                sampled = {"prompt": "hi", "max_tokens": 1, "temperature": 1.0, "seed": seed, "n": n}
+                ok = await client.post("/v1/completions", json=sampled)
+                assert ok.status == 200, await ok.text()
+                out = await client.post("/v1/completions", json={**sampled, "seed": seed - 1 if seed < 0 else seed + 1})
+                assert (await error(out, 400))["param"] == "seed"
+
+            body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+            headers = {"Content-Type": "application/json"}
+            full = body.ljust(BODY_LIMIT)  # trailing whitespace is still valid JSON
+            assert (await client.post("/v1/completions", data=full, headers=headers)).status == 200
+            too_big = await client.post("/v1/completions", data=full + b" ", headers=headers)
+            await error(too_big, 413)
+
+    run(main())
