@@ -144,13 +144,10 @@ def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     if not params.filters:
         return probs
-    vocab = probs.shape[-1]
-    if params.top_k is not None and params.top_k < vocab:  # the top k alone: far cheaper than a sort
-        ranked, order = torch.topk(probs, params.top_k, dim=-1)
-    else:
-        ranked, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    top_k = torch.tensor([[params.top_k or vocab]], device=probs.device)
-    top_p = torch.tensor([[params.top_p]], device=probs.device)
+    rows, vocab = probs.shape
+    top_k = torch.full((rows, 1), params.top_k or vocab, device=probs.device)
+    top_p = torch.full((rows, 1), params.top_p, device=probs.device)
+    ranked, order = _largest_first(probs, top_k, top_p)  # the sampler's ranking, ties and all
     kept = torch.zeros_like(probs).scatter_(-1, order, _filter(ranked, top_k, top_p, vocab))
     return kept / kept.sum(dim=-1, keepdim=True)
 
@@ -183,12 +180,21 @@ def _largest_first(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     model's nucleus rarely holds more than a few hundred tokens. So take the largest 256,
     then 4,096, and sort everything only when some row's top-k, or its nucleus (top-p
     without top-k), reaches further. A row's own prefix is the same whatever the width.
+
+    That holds only if the last candidate a row reaches is strictly likelier than the
+    smallest value taken (or has probability 0, past every possible token): ``topk`` keeps an
+    arbitrary few of the tokens tied at its cut, so a row whose cut falls inside that tie
+    would keep other tokens than the full stable sort keeps (the lowest ids), and would
+    change them when a neighbour widens the ranking.
     """
     vocab, width = probs.shape[-1], 256
     while width < vocab:
-        values, order = torch.topk(probs, width, dim=-1)
-        nucleus_inside = (top_k >= vocab) & (values.sum(dim=-1, keepdim=True) >= top_p)
-        if bool(((top_k <= width) | nucleus_inside).all()):
+        values, order = torch.topk(probs, width, dim=-1)  # values in order; tied ids in any
+        nucleus = ((values.cumsum(dim=-1) - values) < top_p).sum(dim=-1, keepdim=True)
+        reach = torch.where(top_k < vocab, top_k, torch.where(top_p < 1, nucleus, vocab))
+        reach = reach.expand(values.shape[0], 1)
+        last = values.gather(1, reach.clamp(max=width) - 1)
+        if bool(((reach <= width) & ((last > values[:, -1:]) | (last == 0))).all()):
             return _ties_in_vocabulary_order(values, order)
         width *= 16
     return torch.sort(probs, dim=-1, descending=True, stable=True)

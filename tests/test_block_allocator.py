@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -202,6 +203,60 @@ class FakeKV:
     def check(self, seq: Sequence) -> None:
         for p in range(seq.num_computed_tokens):
             assert self.slots[self.slot(seq, p)] == tuple(seq.token_ids[: p + 1])
+
+
+@pytest.mark.parametrize("freed_first", ["owner", "hitter"])
+def test_freeing_one_of_two_sharers_keeps_the_shared_blocks_for_the_other(freed_first: str):
+    """A prefix hit shares blocks, so freeing either holder may only drop a reference: if it
+    released them, the pool would hand them out again while the other still reads them. The
+    random test above finds such a bug only sometimes; here it is spelled out, freeing the
+    block's first owner or the sequence that hit it, with exact counts at each step."""
+    alloc = BlockAllocator(num_blocks=8, block_size=4)
+    kv = FakeKV(alloc)
+    prompt = list(range(10))  # two full blocks and a partial one
+    owner, hitter = make_seq(prompt, "owner"), make_seq(prompt + [50, 51], "hitter")
+    alloc.admit(owner, 10, alloc.match_prefix(owner))
+    kv.compute(owner, 10)
+    shared = alloc.match_prefix(hitter)
+    assert shared == owner.block_table[:2]
+    alloc.admit(hitter, 12, shared)
+    kv.check(hitter)  # reads the owner's keys and values for tokens 0..7
+    kv.compute(hitter, 12)  # its third block is full: hashed too
+    assert [alloc.ref_counts[b] for b in owner.block_table + hitter.block_table] == [2, 2, 1, 2, 2, 1]
+    assert alloc.num_used_blocks == 4 and len(alloc.free_list) == 4 and not alloc.evictable
+    probe = make_seq(prompt + [50, 51, 52], "probe")
+    hitter_tail = hitter.block_table[2]
+    assert alloc.match_prefix(probe) == shared + [hitter_tail]
+
+    gone, kept = (owner, hitter) if freed_first == "owner" else (hitter, owner)
+    gone_tail, kept_table = gone.block_table[2], list(kept.block_table)
+    alloc.free(gone)
+    assert [alloc.ref_counts[b] for b in kept_table] == [1, 1, 1] and alloc.ref_counts[gone_tail] == 0
+    assert alloc.num_used_blocks == 3 and alloc.num_free_blocks == 5
+    if gone is owner:  # its tail is partial, without a hash: plain free
+        assert len(alloc.free_list) == 5 and gone_tail in alloc.free_list and not alloc.evictable
+    else:  # its tail is full and hashed: kept in the cache
+        assert len(alloc.free_list) == 4 and list(alloc.evictable) == [gone_tail]
+    assert alloc.match_prefix(probe) == shared + [hitter_tail]  # hashes still hit
+    check_blocks(alloc, [kept.block_table])
+
+    filler = make_seq([7] * 20, "filler")  # takes every free block there is
+    alloc.admit(filler, 20, [])
+    kv.compute(filler, 20)  # five full blocks, hashed
+    filler_table = list(filler.block_table)
+    assert alloc.num_free_blocks == 0 and not set(filler_table) & set(kept_table)
+    kv.check(kept)  # nobody wrote over the shared blocks
+    check_blocks(alloc, [kept.block_table, filler_table])
+    alloc.free(filler)
+    assert [alloc.ref_counts[b] for b in kept_table] == [1, 1, 1]
+
+    alloc.free(kept)  # the last holder: now they are free, the hashed ones kept in the cache, tail first
+    cached = kept_table if kept is hitter else kept_table[:2]
+    assert alloc.ref_counts == [0] * 8 and alloc.num_free_blocks == 8
+    assert list(alloc.evictable) == filler_table[::-1] + cached[::-1]
+    assert list(alloc.free_list) == [b for b in kept_table if b not in cached]
+    assert alloc.match_prefix(probe) == cached
+    check_blocks(alloc, [])
 
 
 ops = st.lists(st.tuples(st.sampled_from("aaassf"), st.integers(0, 10**6)), max_size=60)

@@ -4,11 +4,13 @@ request's tokens do not depend on its batch neighbours."""
 from __future__ import annotations
 
 import math
+import random
+from dataclasses import replace
 
 import pytest
 import torch
 
-from minillm.sampling import SamplingParams, _filter, _invert_cdf, make_generator, sample
+from minillm.sampling import SamplingParams, _filter, _invert_cdf, distribution, make_generator, sample
 
 VOCAB = 1000
 
@@ -38,6 +40,30 @@ def expected_distribution(logits: list[float], t: float, top_k: int | None, top_
         mass += z[i] / total
     kept_total = sum(z[i] for i in kept)
     return [z[i] / kept_total if i in kept else 0.0 for i in range(len(z))]
+
+
+def plain_filtered(logits: torch.Tensor, t: float, top_k: int | None, top_p: float) -> tuple[torch.Tensor, bool]:
+    """One row's filtered distribution in float64, step by step: softmax at temperature
+    ``t``, a full stable sort (ties: lowest id first, as argmax breaks them), keep the first
+    ``top_k``, renormalise, mask out every token whose mass before it already reaches
+    ``top_p``, renormalise. Also says whether float32 rounding could decide a cut: ``top_p``
+    within 1e-5 of a running sum, or two distinct but nearly equal probabilities either side
+    of a cut; there only float64 knows the answer, so a comparison must skip the row."""
+    probs = torch.softmax(logits.double() / t, dim=-1)
+    ranked, order = probs.sort(descending=True, stable=True)
+    vocab = len(probs)
+    k = min(top_k or vocab, vocab)
+    renormalised = ranked[:k] / ranked[:k].sum()
+    mass_before = renormalised.cumsum(0) - renormalised
+    keep = mass_before < top_p if top_p < 1 else torch.ones(k, dtype=torch.bool)
+    fragile = top_p < 1 and bool(((mass_before[1:] - top_p).abs() <= 1e-5).any())
+    for cut in {k, int(keep.sum())}:
+        if cut < vocab:
+            a, b = float(ranked[cut - 1]), float(ranked[cut])
+            fragile |= a != b and a - b <= 1e-5 * a
+    out = torch.zeros_like(probs)
+    out[order[:k][keep]] = ranked[:k][keep] / ranked[:k][keep].sum()
+    return out, fragile
 
 
 # Probabilities 0.4, 0.3, 0.2, 0.06, 0.04, laid out out of order so that sorting matters.
@@ -182,6 +208,152 @@ def test_a_seeded_row_ignores_its_batch_neighbours(params):
         sequences.append([int(sample(logits, batch_params, generators)[where]) for _ in range(40)])
     assert all(s == sequences[0] for s in sequences)
     assert len(set(sequences[0])) > 5  # really random, not stuck on one token
+
+
+def random_filter_case(rng: random.Random) -> tuple[torch.Tensor, SamplingParams]:
+    """A few rows of logits and settings that combine temperature, top-k and top-p, drawn to
+    hit the corners: ties (half-precision or integer logits), masked tokens, top-k of 1, at
+    or past the vocabulary, or past the sampler's ranking widths, tiny and large top-p."""
+    vocab = rng.choice([2, 5, 17, 64, 300, 1000, 5000])
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    logits = torch.randn(rng.choice([1, 3]), vocab, generator=g) * rng.choice([0.5, 1.0, 2.0])
+    kind = rng.choice(["normal", "bf16", "integers", "masked"])
+    if kind == "bf16":
+        logits = logits.to(torch.bfloat16).float()
+    elif kind == "integers":
+        logits = torch.randint(-3, 4, logits.shape, generator=g).float()
+    elif kind == "masked":
+        logits[torch.rand(logits.shape, generator=g) < 0.7] = float("-inf")
+        logits[:, rng.randrange(vocab)] = 0.0
+    top_k = rng.choice([None, 1, 2, rng.randint(1, vocab), max(vocab - 1, 1), vocab, vocab + 3, 250, 256, 600, 4096])
+    top_p = rng.choice([1.0, 1.0, 0.5, 0.9, 0.99, 1e-6, max(rng.random(), 1e-3)])
+    return logits, SamplingParams(temperature=rng.choice([0.3, 0.7, 1.0, 1.5, 3.0]), top_k=top_k, top_p=top_p)
+
+
+def test_distribution_matches_a_plain_reference_for_combined_filters() -> None:
+    """Speculative decoding accepts and resamples by ``distribution``, so it must be exactly
+    the sampler's filter: top-p measured on the renormalised top-k, ties cut in vocabulary
+    order. Random rows, checked against :func:`plain_filtered`; the sampler's own draws on
+    the same rows must land inside the reference's support."""
+    rng, compared, total = random.Random(2024), 0, 0
+    for case in range(150):
+        logits, params = random_filter_case(rng)
+        total += len(logits)
+        got = distribution(logits, params).double()
+        refs = [plain_filtered(row, params.temperature, params.top_k, params.top_p) for row in logits]
+        for row, (want, fragile) in enumerate(refs):
+            if fragile:
+                continue
+            compared += 1
+            assert torch.equal(got[row] > 0, want > 0), (case, row, params)
+            assert torch.allclose(got[row], want, rtol=1e-4, atol=1e-7), (case, row, params)
+        generators = [torch.Generator().manual_seed(case) for _ in range(4 * len(logits))]
+        tokens = sample(logits.repeat(4, 1), [params] * len(generators), generators).view(4, -1)
+        for row, (want, fragile) in enumerate(refs):
+            assert fragile or bool((want[tokens[:, row]] > 0).all()), (case, row, params)
+    assert compared >= 0.9 * total  # the fragile rows skipped are few
+
+
+EVEN = [0.0] * 8  # eight tokens of probability exactly 1/8: every running sum is exact
+FOUR_TIED = [0.0 if i in (9, 2, 7, 4) else float("-inf") for i in range(10)]  # four of 1/4
+TIED_AT_K = [3.0 if i in (900, 17, 300, 5) else 0.0 for i in range(VOCAB)]  # four tied on top, 996 below
+
+
+@pytest.mark.parametrize(("logits", "top_k", "top_p", "kept"), [
+    (EVEN, 4, 0.5, [0, 1]),           # top-k keeps 1/2; p=0.5 of that is reached after two tokens exactly
+    (EVEN, None, 0.5, [0, 1, 2, 3]),  # reached exactly after four: the fifth's mass before is not short of p
+    (EVEN, 8, 0.25, [0, 1]),          # top_k == vocab cuts nothing
+    (EVEN, 20, 0.125, [0]),           # top_k past the vocab; p is one token's mass exactly
+    (EVEN, 1, 1.0, [0]),              # top_k=1 among ties: the lowest id, as argmax
+    (EVEN, 3, 0.9, [0, 1, 2]),        # 2/3 of the top three is short of 0.9
+    (FOUR_TIED, 2, 0.5, [2]),         # renormalised 1/2 each: the first reaches p
+    (FOUR_TIED, 3, 1.0, [2, 4, 7]),
+    (FOUR_TIED, None, 0.5, [2, 4]),
+    (TIED_AT_K, 6, 1.0, [0, 1, 5, 17, 300, 900]),  # the cut falls inside a 996-token tie
+    (TIED_AT_K, 6, 0.999, [0, 1, 5, 17, 300, 900]),
+])
+def test_exact_boundaries_and_ties_in_distribution_and_sampler(
+    logits: list[float], top_k: int | None, top_p: float, kept: list[int]
+) -> None:
+    """Cuts that land exactly on a running sum or inside a tie, where float rounding cannot
+    blur the answer: the documented rule decides (a token stays while the renormalised mass
+    before it is short of ``top_p``; ties go in vocabulary order)."""
+    params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
+    got = distribution(torch.tensor([logits]), params)[0]
+    want, _ = plain_filtered(torch.tensor(logits), 1.0, top_k, top_p)
+    assert got.nonzero().flatten().tolist() == kept
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-8)
+    assert set(draws(torch.tensor(logits), params, 1000, seed=13)) == set(kept)
+
+
+def tie_heavy_row() -> torch.Tensor:
+    """Logits over 6,000 tokens whose ranks 100..399 are one tie (as half-precision logits
+    tie): the tie straddles the sampler's first ranking width (256), so a row whose top-k or
+    nucleus ends inside it is ranked right only if the sampler sees the whole tie."""
+    g = torch.Generator().manual_seed(12)
+    row = torch.randn(6000, generator=g).clamp(max=3.0).to(torch.bfloat16).float()  # ties in the tail too
+    ids = torch.randperm(6000, generator=g)
+    row[ids[:100]] = torch.linspace(3.6, 5.0, 100)
+    row[ids[100:400]] = 3.5
+    return row
+
+
+def mass_of_the_first(row: torch.Tensor, ranks: float) -> float:
+    """The softmax mass of the ``ranks`` likeliest tokens (interpolating a fraction), which
+    no tie order changes: a top-p that makes the nucleus end at a chosen rank."""
+    probs = torch.softmax(row.double(), dim=-1).sort(descending=True).values
+    whole = int(ranks)
+    return float(probs[:whole].sum() + (ranks - whole) * probs[whole])
+
+
+TIE_ROW = tie_heavy_row()
+WIDE_NEIGHBOURS = {
+    "greedy": SamplingParams(temperature=0),
+    "plain": SamplingParams(temperature=0.7),
+    "small": SamplingParams(temperature=1.5, top_k=5, top_p=0.5),
+    "past_256": SamplingParams(temperature=1.0, top_k=300),  # a batch-wide top-k would cut the tie at 300
+    "wide": SamplingParams(temperature=1.0, top_k=600),     # the batch ranks 4,096
+    "widest": SamplingParams(temperature=0.8, top_k=5500),  # the batch sorts everything
+    "long_nucleus": SamplingParams(temperature=1.0, top_p=0.999),  # so does a nucleus into the tail
+}
+
+
+SEEDED_WIDTHS = [replace(params, seed=seed) for seed in (0, 1) for params in [
+    SamplingParams(temperature=1.0, top_k=250),  # ends inside the tie; alone: width 256
+    SamplingParams(temperature=0.9, top_k=250, top_p=0.98),
+    SamplingParams(temperature=1.0, top_p=mass_of_the_first(TIE_ROW, 230.5)),  # nucleus ends inside the tie
+    SamplingParams(temperature=1.2, top_k=1000),  # alone: width 4,096
+]]
+
+
+def test_seeded_rows_ignore_neighbours_that_change_the_ranking_width() -> None:
+    """The sampler ranks only as many candidates as the batch's filters can reach, so a
+    neighbour with a larger top-k or a long nucleus widens the ranking for everyone. Seeded
+    rows must not notice: each draws the same sequence alone as batched with the others,
+    between greedy, plain, narrow and wide neighbours, or beside top-k rows only (which a
+    shortcut for large top-k might treat differently)."""
+    steps = 15
+    alone = []
+    for params in SEEDED_WIDTHS:
+        generator = make_generator(params, "cpu")
+        alone.append([int(sample(TIE_ROW[None], [params], [generator])[0]) for _ in range(steps)])
+    alone = torch.tensor(alone).T  # [step, seeded row]
+    others = torch.randn(len(WIDE_NEIGHBOURS), 6000, generator=torch.Generator().manual_seed(14))
+    neighbour_row = dict(zip(WIDE_NEIGHBOURS, others))
+    every = list(range(len(SEEDED_WIDTHS)))
+    top_k_only = [i for i, p in enumerate(SEEDED_WIDTHS) if p.top_k]
+    inside_the_tie = [i for i, p in enumerate(SEEDED_WIDTHS) if p.top_k == 250]
+    for names, chosen in [(["greedy", "plain"], every), (["wide", "small"], every), (["widest"], every),
+                          (["long_nucleus", "small", "greedy"], every), (["past_256"], inside_the_tie), (["wide"], top_k_only)]:
+        before, after = names[: len(names) // 2], names[len(names) // 2 :]
+        batch = [WIDE_NEIGHBOURS[n] for n in before] + [SEEDED_WIDTHS[i] for i in chosen] + [WIDE_NEIGHBOURS[n] for n in after]
+        rows = [neighbour_row[n] for n in before] + [TIE_ROW] * len(chosen) + [neighbour_row[n] for n in after]
+        generators = [make_generator(p, "cpu") for p in batch]
+        ours = slice(len(before), len(before) + len(chosen))
+        batched = torch.stack([sample(torch.stack(rows), batch, generators)[ours] for _ in range(steps)])
+        assert torch.equal(batched, alone[:, chosen]), (names, (batched != alone[:, chosen]).nonzero().tolist())
+    assert len(set(alone.flatten().tolist())) > 20
+    assert int((TIE_ROW[alone[:, inside_the_tie]] == 3.5).sum()) >= 3  # the draws that matter happen
 
 
 def test_different_seeds_give_different_tokens():
