@@ -44,7 +44,6 @@ INT4_MAX = 7  # symmetric: [-7, 7], stored as q + 8 in [1, 15]
 FUSED_DTYPE = torch.bfloat16
 FUSED_MAX_ROWS = 64
 QUANTIZED_DTYPE = torch.bfloat16  # a quantized model's activations unless told otherwise
-_ATEN_INT4_BLOCK = 64  # rows per tile in aten's CPU int4 layout (checked by _aten_int4_layout_ok)
 
 
 def check_scheme(scheme: str) -> str:
@@ -111,14 +110,45 @@ def _nibbles_to_float(nibbles: torch.Tensor, scales: torch.Tensor, group_size: i
 
 
 # ----------------------------------------------------------------------------- aten's int4 CPU layout
-# aten._convert_weight_to_int4pack_for_cpu tiles the matrix for its kernel: blocks of 64 rows,
-# each stored as [in, 32] bytes whose low nibble is row d and high nibble row d + 32. Knowing
-# that lets the embedding look rows up in the kernel's own copy instead of keeping a second one;
-# _aten_int4_layout_ok checks the claim on this machine before anything relies on it.
+# aten._convert_weight_to_int4pack_for_cpu tiles the matrix for its kernel: blocks of rows, each
+# stored as [in, rows / 2] bytes, two rows' nibbles to a byte. The block and the pairing depend on
+# the vector width aten dispatches to on this CPU: 64 rows with rows d and d + 32 sharing a byte
+# on AVX-512, 32 rows with d and d + 16 on AVX2, 32 rows with 2d and 2d + 1 without vectors.
+# Knowing the layout lets the embedding look rows up in the kernel's own copy instead of keeping
+# a second one, so it is read off the packing itself (_aten_int4_tile) rather than assumed, and
+# _aten_int4_layout_ok checks the result on this machine before anything relies on it.
+
+
+_TILE_PROBE = torch.stack([torch.arange(128) % 16, torch.arange(128) // 16], dim=1).to(torch.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _aten_int4_tile() -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """aten's int4 tile on this CPU, read off its packing of a probe whose two columns spell each
+    row's index (see :func:`_tile_from_probe`)."""
+    return _tile_from_probe(torch.ops.aten._convert_weight_to_int4pack_for_cpu(_TILE_PROBE, 1))
+
+
+def _tile_from_probe(packed: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """From aten's packing of ``_TILE_PROBE``: (rows per tile, and for each row of a tile the byte,
+    within one input column's slice of the tile, that holds its nibble, and that nibble's shift).
+    None if no tile size explains the packing."""
+    for block in (64, 32, 16):
+        tiles = packed.reshape(-1, 2, block // 2)  # [tile, input column, byte]
+        low, high = tiles & 0xF, tiles >> 4
+        found = torch.stack([low[:, 0] + 16 * low[:, 1], high[:, 0] + 16 * high[:, 1]], dim=-1).long()
+        found -= block * torch.arange(tiles.shape[0])[:, None, None]  # row within its tile
+        order = found[0].flatten()  # position 2 * byte + nibble holds row order[position]
+        if (found == found[0]).all() and torch.equal(order.sort().values, torch.arange(block)):
+            where = torch.empty(block, dtype=torch.long)
+            where[order] = torch.arange(block)
+            return block, where // 2, (where % 2 * 4).to(torch.uint8)
+    return None
 
 
 def _to_aten_int4(nibbles: torch.Tensor) -> torch.Tensor:
-    rows = -(-nibbles.shape[0] // _ATEN_INT4_BLOCK) * _ATEN_INT4_BLOCK
+    block = _aten_int4_tile()[0]
+    rows = -(-nibbles.shape[0] // block) * block
     padded = torch.full((rows, nibbles.shape[1]), 8, dtype=torch.int32, device=nibbles.device)
     padded[: nibbles.shape[0]] = nibbles.to(torch.int32)
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(padded, 1)
@@ -126,25 +156,30 @@ def _to_aten_int4(nibbles: torch.Tensor) -> torch.Tensor:
 
 def _aten_int4_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Rows ``rows`` of the nibble matrix held in aten's tiled layout, as uint8 ``[len(rows), in]``."""
-    half = _ATEN_INT4_BLOCK // 2
-    tiles = packed.view(packed.shape[0] // _ATEN_INT4_BLOCK, packed.shape[1] * 2, half)
-    inner = rows % _ATEN_INT4_BLOCK
-    raw = tiles[rows // _ATEN_INT4_BLOCK, :, inner % half]
-    return torch.where((inner < half)[:, None], raw & 0xF, raw >> 4)
+    block, byte, shift = _aten_int4_tile()
+    tiles = packed.view(packed.shape[0] // block, packed.shape[1] * 2, block // 2)
+    inner = rows % block
+    raw = tiles[rows // block, :, byte[inner]]
+    return (raw >> shift[inner][:, None]) & 0xF
 
 
 def _aten_int4_all_rows(packed: torch.Tensor) -> torch.Tensor:
     """Every row of the nibble matrix in aten's layout (the padding rows included), tile by tile."""
-    tiles = packed.view(packed.shape[0] // _ATEN_INT4_BLOCK, packed.shape[1] * 2, _ATEN_INT4_BLOCK // 2)
-    return torch.cat([tiles & 0xF, tiles >> 4], dim=2).transpose(1, 2).reshape(packed.shape[0], -1)
+    block, byte, shift = _aten_int4_tile()
+    tiles = packed.view(packed.shape[0] // block, packed.shape[1] * 2, block // 2)
+    nibbles = (tiles[:, :, byte] >> shift) & 0xF  # [tile, in, row within the tile]
+    return nibbles.transpose(1, 2).reshape(packed.shape[0], -1)
 
 
 @functools.lru_cache(maxsize=None)
 def _aten_int4_layout_ok() -> bool:
-    nibbles = torch.randint(0, 16, (2 * _ATEN_INT4_BLOCK, 64), generator=torch.Generator().manual_seed(0))
-    rows = torch.arange(nibbles.shape[0])
+    tile = _aten_int4_tile()
+    if tile is None:
+        return False
+    nibbles = torch.randint(0, 16, (3 * tile[0], 64), generator=torch.Generator().manual_seed(0))
+    rows = torch.randperm(nibbles.shape[0], generator=torch.Generator().manual_seed(1))
     packed, expected = _to_aten_int4(nibbles), nibbles.to(torch.uint8)
-    return torch.equal(_aten_int4_rows(packed, rows), expected) and torch.equal(_aten_int4_all_rows(packed), expected)
+    return torch.equal(_aten_int4_rows(packed, rows), expected[rows]) and torch.equal(_aten_int4_all_rows(packed), expected)
 
 
 # ----------------------------------------------------------------------------- which kernel

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import copy
+import platform
 
 import pytest
 import torch
 
+from minillm import quant
 from minillm.config import ModelConfig
 from minillm.engine import LLM, SamplingParams
 from minillm.generate import generate_kv_cache, generate_naive
 from minillm.model import GPT
 from minillm.quant import (
+    _TILE_PROBE,
     FUSED_MAX_ROWS,
+    SCHEMES,
     QuantEmbedding,
     QuantLinear,
     cast_and_quantize,
@@ -27,6 +31,7 @@ from minillm.quant import (
     quantize_model,
     unpack_int4,
 )
+from minillm.quant import _aten_int4_all_rows, _aten_int4_rows, _tile_from_probe
 
 
 def weights(rows: int = 48, cols: int = 128, seed: int = 0) -> torch.Tensor:
@@ -98,6 +103,77 @@ def test_quant_linear_matches_its_own_dequantized_matrix(scheme: str) -> None:
     if len(kernels(scheme)) == 2:  # aten's layout and ours must hold the same numbers
         fused, plain = (QuantLinear.from_float(w, bias, scheme, 32, kernel=k) for k in ("fused", "dequantize"))
         assert torch.equal(fused.dequantized_weight(), plain.dequantized_weight())
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="checked on x86 CPUs only")
+def test_the_fused_cpu_kernels_are_in_use_on_the_pinned_torch() -> None:
+    """torch is pinned, and its CPU int8 and int4 kernels work on x86 whatever the vector width
+    (AVX-512, AVX2, none), so a self-check that fails means our side broke. It would go unseen:
+    the layer falls back to dequantizing, which computes the same numbers, only slower."""
+    assert fused_kernel_works("int8", "cpu") and fused_kernel_works("int4", "cpu")
+    for scheme in SCHEMES:
+        assert QuantLinear.from_float(weights(100, 64), None, scheme, 32, kernel="auto").kernel == "fused"
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_fused_layer_holds_the_rows_of_its_dequantizing_twin(scheme: str) -> None:
+    """Forced to the fused kernel, whatever the self-check says: aten's layout must hold exactly the
+    numbers ours does, at any rows asked for in any order, and its kernel must multiply by them.
+    A wrong row lookup in that layout is otherwise seen only as a fast path quietly turned off."""
+    w, bias = weights(200, 128, seed=3), torch.randn(200)  # 200 rows: several tiles, then padding
+    fused = QuantLinear.from_float(w, bias, scheme, 32, kernel="fused")
+    plain = QuantLinear.from_float(w, bias, scheme, 32, kernel="dequantize")
+    assert fused.kernel == "fused" and plain.kernel == "dequantize"
+    rows = torch.cat([torch.randperm(200, generator=torch.Generator().manual_seed(4)), torch.tensor([199, 0, 199, 37])])
+    assert torch.equal(fused.row_scales(), plain.row_scales())
+    assert torch.equal(fused.nibbles_or_ints(rows), plain.nibbles_or_ints(rows))
+    dense = plain.dequantized_weight()
+    own = dequantize_int8(*quantize_int8(w)) if scheme == "int8" else dequantize_int4(*quantize_int4(w, 32), 32)
+    assert torch.equal(dense, own)  # the twin itself is what the quantizer made
+    assert torch.equal(fused.weight_rows(rows), dense[rows])
+    assert torch.equal(fused.dequantized_weight(), dense)
+    for layer in (fused, plain):
+        layer.to(torch.bfloat16)  # the fused kernel's input type
+    expected_w, expected_b = plain.dequantized_weight().float(), plain.bias.float()
+    for n in (1, 5, FUSED_MAX_ROWS):
+        x = torch.randn(n, 128, generator=torch.Generator().manual_seed(n)).bfloat16()
+        torch.testing.assert_close(fused.fused(x).float(), x.float() @ expected_w.T, rtol=0.02, atol=0.15)
+        torch.testing.assert_close(fused(x).float(), x.float() @ expected_w.T + expected_b, rtol=0.02, atol=0.15)
+
+
+def aten_style_pack(nibbles: torch.Tensor, block: int, halves: bool) -> torch.Tensor:
+    """What aten's CPU int4 packer writes for whole tiles of ``block`` rows (its
+    ``weight_to_int4pack_kernel``): per tile ``[in, block / 2]`` bytes, the low nibble row ``d`` and
+    the high one row ``d + block / 2`` (``halves``: its AVX-512 and AVX2 code), or rows ``2d`` and
+    ``2d + 1`` (its code without vectors)."""
+    rows, cols = nibbles.shape
+    tiles = nibbles.to(torch.uint8).view(rows // block, block, cols).transpose(1, 2)  # [tile, in, row]
+    low, high = (tiles[..., : block // 2], tiles[..., block // 2 :]) if halves else (tiles[..., 0::2], tiles[..., 1::2])
+    return (low | high << 4).reshape(rows, cols // 2)
+
+
+ATEN_INT4_LAYOUTS = [(64, True), (32, True), (32, False), (16, False)]  # AVX-512, AVX2, then no x86 vectors: 8 or 4 floats wide
+
+
+def test_this_machines_int4_packer_is_one_of_the_known_layouts() -> None:
+    """So that the emulated packers below stand for the real one."""
+    real = torch.ops.aten._convert_weight_to_int4pack_for_cpu(_TILE_PROBE, 1)
+    assert any(torch.equal(real, aten_style_pack(_TILE_PROBE, *layout)) for layout in ATEN_INT4_LAYOUTS)
+
+
+@pytest.mark.parametrize("block, halves", ATEN_INT4_LAYOUTS)
+def test_the_int4_layout_is_read_off_each_of_atens_packers(block: int, halves: bool, monkeypatch) -> None:
+    """aten's int4 tile depends on the CPU it runs on; a reader fitted to one machine's tile (once
+    64 rows, wrong on AVX2) loses the fused kernel on the others. Each packer must be read right."""
+    tile = _tile_from_probe(aten_style_pack(_TILE_PROBE, block, halves))
+    assert tile is not None and tile[0] == block
+    monkeypatch.setattr(quant, "_aten_int4_tile", lambda: tile)
+    nibbles = torch.randint(0, 16, (3 * block, 64), generator=torch.Generator().manual_seed(block), dtype=torch.uint8)
+    packed = aten_style_pack(nibbles, block, halves)
+    rows = torch.randperm(3 * block, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(_aten_int4_rows(packed, rows), nibbles[rows])
+    assert torch.equal(_aten_int4_all_rows(packed), nibbles)
+    assert _tile_from_probe(torch.zeros(128, 1, dtype=torch.uint8)) is None  # a packing no tile explains
 
 
 VOCAB = 1024  # small, so a test decodes in milliseconds (the token ids are still GPT-2's)
