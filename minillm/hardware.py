@@ -152,19 +152,20 @@ def synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1) -> float:
+def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1, *,
+                   clock: Callable[[], float] = time.perf_counter) -> float:
     """The median wall time of ``fn()`` over ``repeats`` runs, after ``warmup`` untimed ones
     (which pay for kernel selection, page faults and cold caches). The median ignores the odd
-    run that another process interrupted."""
+    run that another process interrupted. (``clock`` lets a test time ``fn`` on a fake clock.)"""
     for _ in range(warmup):
         fn()
     synchronize(device)
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
         synchronize(device)
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
 
 

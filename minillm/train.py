@@ -21,6 +21,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -312,10 +313,11 @@ def load_or_train(preset: str, device: str | torch.device | None = None) -> GPT:
 
 def measure_throughput(
     preset: str, dtype: str = "float32", *, batch_size: int = 8, seq_len: int | None = None,
-    steps: int = 3, device: str | torch.device | None = None,
+    steps: int = 3, device: str | torch.device | None = None, clock: Callable[[], float] = time.perf_counter,
 ) -> float:
     """Training tokens per second of a preset: the median of ``steps`` timed optimizer steps
-    on random tokens (speed does not depend on the data), after one warm-up step."""
+    on random tokens (speed does not depend on the data), after one warm-up step. (``clock``
+    lets a test time the steps on a fake clock.)"""
     device = torch.device(device) if device else default_device()
     model_cfg = get_preset(preset)
     cfg = replace(TrainConfig(preset=preset, dtype=dtype), lr=1e-4, warmup=0, max_steps=steps)
@@ -329,11 +331,11 @@ def measure_throughput(
     batch = [(x[:, :-1], x[:, 1:])]
     times = []
     for _ in range(steps + 1):
-        start = time.perf_counter()
+        start = clock()
         train_step(model, optimizer, scaler, amp, batch, cfg.grad_clip)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return batch_size * seq_len / statistics.median(times[1:])
 
 

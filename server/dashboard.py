@@ -90,17 +90,19 @@ class Counters:
 
 
 class StatsFeed:
-    """Samples the server every ``TICK_S`` and hands each snapshot to every open page."""
+    """Samples the server every ``TICK_S`` and hands each snapshot to every open page.
+    (``clock`` times the snapshots; a test passes a fake one to check the rates exactly.)"""
 
-    def __init__(self, engine: AsyncEngine, metrics: Metrics, traffic: Callable[[], dict]) -> None:
-        self._engine, self._metrics, self._traffic = engine, metrics, traffic
+    def __init__(self, engine: AsyncEngine, metrics: Metrics, traffic: Callable[[], dict],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._engine, self._metrics, self._traffic, self._clock = engine, metrics, traffic, clock
         self._bounds = {"ttft": buckets(metrics.ttft)[0], "itl": buckets(metrics.itl)[0]}
         self._counters: deque[Counters] = deque(maxlen=int(LATENCY_WINDOW_S / TICK_S) + 1)
         self.history: deque[dict] = deque(maxlen=HISTORY)
         self._ticks = 0
         self._changed = asyncio.Condition()
         self._task: asyncio.Task | None = None
-        self._started = time.monotonic()
+        self._started = clock()
         self.closed = False
 
     async def start(self, app: web.Application) -> None:
@@ -138,7 +140,7 @@ class StatsFeed:
             yield self.history[-1]
 
     def _read(self) -> Counters:
-        return Counters(time.monotonic(), self._engine.stats.generated_tokens, buckets(self._metrics.e2e)[1][-1],
+        return Counters(self._clock(), self._engine.stats.generated_tokens, buckets(self._metrics.e2e)[1][-1],
                         buckets(self._metrics.ttft)[1], buckets(self._metrics.itl)[1])
 
     def snapshot(self) -> dict:

@@ -21,7 +21,7 @@ import math
 import random
 import time
 from dataclasses import dataclass
-from typing import AsyncContextManager, Iterator, Sequence
+from typing import AsyncContextManager, Callable, Iterator, Sequence
 
 import aiohttp
 
@@ -128,13 +128,15 @@ async def server_info(session: aiohttp.ClientSession, url: str, timeout: float =
 
 
 async def send_request(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
-                       output_len: int, timeout: float) -> RequestResult:
+                       output_len: int, timeout: float, *,
+                       clock: Callable[[], float] = time.perf_counter) -> RequestResult:
     """Stream one completion and time it on the client's clock. Never raises for a failed
-    request: the failure is its ``error``, an HTTP status or what went wrong."""
+    request: the failure is its ``error``, an HTTP status or what went wrong. (``clock`` is
+    there so a test can drive the timings with a fake one and check them exactly.)"""
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     result = RequestResult(len(prompt), output_len)
-    start = last = time.perf_counter()
+    start = last = clock()
     chunks = 0
     try:
         async with session.post(f"{url}/v1/completions", json=body,
@@ -150,7 +152,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, model: str, pro
                     result.error = f"stream error {chunk['error'].get('code') or chunk['error'].get('type')}"
                     return result
                 if chunk.get("choices"):
-                    now = time.perf_counter()
+                    now = clock()
                     if result.ttft is None:
                         result.ttft = now - start
                     else:

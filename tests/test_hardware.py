@@ -1,6 +1,5 @@
 import json
 import math
-import time
 
 import pytest
 import torch
@@ -53,11 +52,26 @@ def test_dtype_names_and_sizes():
         dtype_name(torch.int8)
 
 
-def test_median_skips_warmup_and_outliers():
-    delays = iter([0.3, 0.1, 0.001, 0.001, 0.002, 0.1])  # warm-up first, then two slow outliers
+class FakeClock:
+    """A clock that moves only when told to: timings on it are exact on any machine."""
 
-    seconds = median_seconds(lambda: time.sleep(next(delays)), torch.device("cpu"), repeats=5)
-    assert seconds < 0.02
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_median_skips_warmup_and_outliers():
+    clock = FakeClock()
+    durations = iter([0.5, 0.25, 0.125, 0.0625, 0.125, 0.375])  # warm-up first, then two slow outliers
+
+    def run() -> None:
+        clock.now += next(durations)
+
+    seconds = median_seconds(run, torch.device("cpu"), repeats=5, clock=clock)
+    assert seconds == 0.125  # the median of 0.25, 0.125, 0.0625, 0.125, 0.375; the 0.5 warm-up is untimed
+    assert next(durations, None) is None  # one warm-up run and five timed ones, no more
 
 
 def test_bandwidth_counts_copy_as_read_plus_write(monkeypatch):

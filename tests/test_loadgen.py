@@ -16,13 +16,14 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from test_server_live import live_server, slowed, small_engine, tiny_model
+from test_server_live import Gate, live_server, small_engine, tiny_model
 
 from minillm.cli import UsageError
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.model import GPT
 from minillm.tokenizer import EOT_ID, get_tokenizer
 from server import loadgen_client
+from server.app import STATE
 from server.loadgen import LoadRun, LoadSpec, RequestResult, arrival_times, main, parse_slo, percentile, summarize
 from server.loadgen_client import prompts
 
@@ -135,25 +136,92 @@ def test_a_run_against_a_real_server_adds_up(model: GPT, tmp_path) -> None:
     assert "api_key" not in report["spec"] and (tmp_path / "loadtest-sweep.png").stat().st_size > 10_000
 
 
-def test_a_slower_server_shifts_the_latencies_by_its_delay(model: GPT, monkeypatch) -> None:
-    spec = LoadSpec(num_prompts=6, request_rate=math.inf, input_len=8, output_len=8, warmup=1)
-    with live_server(small_engine(model)) as live:
-        _, fast = load(replace(spec, url=live.url))
-    with live_server(slowed(small_engine(model), monkeypatch, seconds=0.025)) as live:
-        _, slow = load(replace(spec, url=live.url))
-    # Every step now sleeps 25 ms first: each token, the first included, waits at least that.
-    assert slow.ttft_ms.p50 >= 25 and slow.tpot_ms.p50 >= 25 and slow.itl_ms.p50 >= 25
-    assert slow.tpot_ms.p50 >= fast.tpot_ms.p50 + 15 and slow.e2el_ms.p50 >= fast.e2el_ms.p50 + 15 * 7
+class Replay:
+    """Just enough of an ``aiohttp.ClientSession`` for ``send_request``: ``post`` answers 200
+    with a stream of ``(time, line)``, and the fake clock reads each line's time while the
+    client is handling that line, so every timing the client takes is known exactly."""
+
+    def __init__(self, start: float, timed_lines: list[tuple[float, bytes]]) -> None:
+        self.now, self.timed_lines, self.status, self.bodies = start, timed_lines, 200, []
+
+    def clock(self) -> float:
+        return self.now
+
+    def post(self, url: str, json: dict, timeout) -> Replay:
+        self.bodies.append(json)
+        return self
+
+    async def __aenter__(self) -> Replay:
+        self.content = self._lines()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        return None
+
+    async def _lines(self):
+        for at, line in self.timed_lines:
+            self.now = at
+            yield line
+
+
+def data(payload: dict | str) -> bytes:
+    return b"data: " + (payload if isinstance(payload, str) else json.dumps(payload)).encode() + b"\n"
+
+
+def text(t: str) -> bytes:
+    return data({"choices": [{"index": 0, "text": t, "finish_reason": None}]})
+
+
+def usage(tokens: int) -> bytes:
+    return data({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": tokens}})
+
+
+def test_the_client_times_each_chunk_on_its_clock() -> None:
+    """TTFT, ITL and E2E from known chunk times (binary fractions: exact in floating point),
+    and TPOT over the server's token count, which can exceed the chunks: here the third chunk
+    carries two tokens (a character split across them was held back)."""
+    first = Replay(100.0, [(100.25, text("Once")), (100.25, b"\n"), (100.375, text(" upon")),
+                           (100.5, text(" a t")), (100.75, text("ime")), (101.0, usage(5)), (101.5, data("[DONE]"))])
+    second = Replay(200.0, [(200.5, text("The")), (200.75, text(" dog")), (201.0, text(" ran")),
+                            (201.0, usage(3)), (202.0, data("[DONE]"))])
+
+    async def send(replay: Replay) -> RequestResult:
+        return await loadgen_client.send_request(replay, "http://fake", "minillm", [1, 2, 3], 5, 30.0,
+                                                 clock=replay.clock)
+
+    a, b = asyncio.run(send(first)), asyncio.run(send(second))
+    assert first.bodies[0] == {"model": "minillm", "prompt": [1, 2, 3], "max_tokens": 5, "temperature": 0,
+                               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    assert (a.ok, a.ttft, a.itl, a.e2e, a.output_tokens) == (True, 0.25, [0.125, 0.125, 0.25], 0.75, 5)
+    assert a.tpot == (0.75 - 0.25) / 4  # the usage chunk and [DONE] after the last text are not latency
+    assert (b.ttft, b.itl, b.e2e, b.output_tokens, b.tpot) == (0.5, [0.25, 0.25], 1.0, 3, 0.25)
+
+    s = summarize([a, b], duration_s=2.0, peak_concurrency=2)
+    assert (s.ttft_ms.mean, s.ttft_ms.p50) == (375.0, 375.0)
+    assert (s.tpot_ms.mean, s.e2el_ms.p50) == (187.5, 875.0)
+    assert (s.itl_ms.mean, s.itl_ms.p50) == (200.0, 250.0)  # pooled: 125, 125, 250, 250, 250
+    assert s.output_throughput == 4.0
 
 
 def test_refusals_are_counted_by_status(model: GPT, monkeypatch) -> None:
-    """One seat and a one-request queue: of six requests at once, most are refused with 429."""
-    engine = slowed(LLMEngine(model, EngineConfig(num_blocks=64, block_size=8, max_num_seqs=1), get_tokenizer()),
-                    monkeypatch)
+    """One seat and a one-request queue: of six requests at once, the first to arrive waits
+    for the seat and the other five are refused with 429. The engine takes no step until all
+    six have been answered or queued, so no seat comes free in between however fast it is."""
+    engine = LLMEngine(model, EngineConfig(num_blocks=64, block_size=8, max_num_seqs=1), get_tokenizer())
+    gate = Gate(engine, monkeypatch)
+
+    async def main(live) -> tuple[LoadRun, object]:
+        run = LoadRun(LoadSpec(url=live.url, num_prompts=6, input_len=4, output_len=20, warmup=0))
+        task = asyncio.create_task(run.run())
+        engine_loop = live.app[STATE].engine
+        while len(run.results) + engine_loop.stats.waiting < 6:  # a condition, not a time
+            await asyncio.sleep(0.005)
+        gate.open()
+        return run, await task
+
     with live_server(engine, max_queue=1) as live:
-        run, s = load(LoadSpec(url=live.url, num_prompts=6, input_len=4, output_len=20, warmup=0))
-    assert s.completed + s.failed == 6 == len(run.results)
-    assert s.completed >= 1 and s.errors.get("HTTP 429", 0) >= 3 and set(s.errors) == {"HTTP 429"}
+        run, s = asyncio.run(asyncio.wait_for(main(live), 60))
+    assert len(run.results) == 6 and (s.completed, s.failed, s.errors) == (1, 5, {"HTTP 429": 5})
 
 
 def test_command_line_problems_are_one_line_errors(model: GPT, tmp_path) -> None:

@@ -144,7 +144,8 @@ SEEN = web.AppKey("seen", dict)
 
 @dataclass
 class Fake:
-    """A replica that behaves as told: ``mode`` is ok | refuse | cut | slow."""
+    """A replica that behaves as told: ``mode`` is ok | refuse | cut | stall. A stalled stream
+    sends its first event, then waits for the test to set ``release`` before the rest."""
 
     mode: str = "ok"
     events: int = 3
@@ -152,6 +153,7 @@ class Fake:
     waiting: float = 0.0
     bodies: list = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def chunk(text: str) -> bytes:
@@ -169,12 +171,13 @@ def fake_app(fake: Fake) -> web.Application:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         try:
-            for i in range(fake.events if fake.mode != "slow" else 10_000):
+            for i in range(fake.events):
                 await response.write(chunk(f"t{i}"))
                 if fake.mode == "cut" and i == 1:
                     request.transport.close()  # the process died: no more bytes, no [DONE]
                     return response
-                await asyncio.sleep(0.02 if fake.mode == "slow" else 0)
+                if fake.mode == "stall" and i == 0:
+                    await fake.release.wait()
         except asyncio.CancelledError:
             fake.cancelled.set()  # the server's handler saw its client (the router) leave
             raise
@@ -228,6 +231,12 @@ STREAM = {"prompt": "Once", "max_tokens": 3, "stream": True}
 
 def run(coro) -> None:
     asyncio.run(asyncio.wait_for(coro, 20))
+
+
+async def until(condition) -> None:
+    """Wait for ``condition()`` to hold: for a state, not for a time (``run``'s timeout ends a hang)."""
+    while not condition():
+        await asyncio.sleep(0.005)
 
 
 async def router_metrics(session: aiohttp.ClientSession, url: str) -> str:
@@ -309,18 +318,15 @@ def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event() -> Non
 
 def test_a_client_leaving_the_router_cancels_the_request_on_the_replica() -> None:
     async def main() -> None:
-        slow = Fake(mode="slow")
-        async with router_over([slow]) as (url, state, session):
+        stalled = Fake(mode="stall")  # never released: the stream can only end by the client leaving
+        async with router_over([stalled]) as (url, state, session):
             response = await session.post(f"{url}/v1/completions", json=STREAM)
             assert (await response.content.readuntil(b"\n\n")).startswith(b"data: ")
-            assert not slow.cancelled.is_set()
+            assert not stalled.cancelled.is_set() and state.replicas.replicas[0].outstanding == 1
             response.close()  # the client goes away mid-stream
-            await asyncio.wait_for(slow.cancelled.wait(), 5)
-            for _ in range(100):  # the router's own handler unwinds a moment later
-                if state.replicas.replicas[0].outstanding == 0:
-                    break
-                await asyncio.sleep(0.01)
-            assert state.replicas.replicas[0].outstanding == 0
+            await stalled.cancelled.wait()
+            await until(lambda: state.replicas.replicas[0].outstanding == 0)  # the router's handler unwinds
+            assert len(stalled.bodies) == 1  # sent once, not retried
 
     run(main())
 
@@ -331,10 +337,7 @@ def test_health_checks_eject_and_readmit_and_no_replica_is_a_503() -> None:
         async with router_over([a, b], health_interval=0.05) as (url, state, session):
             ra, rb = state.replicas.replicas
             a.healthy = b.healthy = False
-            for _ in range(200):
-                if not ra.healthy and not rb.healthy:
-                    break
-                await asyncio.sleep(0.01)
+            await until(lambda: not ra.healthy and not rb.healthy)
             async with session.post(f"{url}/v1/completions", json={"prompt": "x"}) as response:
                 assert response.status == 503
                 assert (await response.json())["error"]["code"] == "no_healthy_replica"
@@ -342,11 +345,8 @@ def test_health_checks_eject_and_readmit_and_no_replica_is_a_503() -> None:
                 assert response.status == 503
                 assert (await response.json())["replicas"] == {ra.url: "ejected", rb.url: "ejected"}
             a.healthy = True
-            for _ in range(200):
-                if ra.healthy:
-                    break
-                await asyncio.sleep(0.01)
-            assert ra.healthy and ra.readmissions == 1 and not rb.healthy
+            await until(lambda: ra.healthy)
+            assert ra.readmissions == 1 and not rb.healthy
             async with session.get(f"{url}/health") as response:
                 assert response.status == 200
             async with session.get(f"{url}/v1/nothing") as response:

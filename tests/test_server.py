@@ -13,12 +13,12 @@ import json
 import logging
 import re
 import threading
-import time
 from typing import AsyncIterator
 
 import pytest
 import torch
 from aiohttp.test_utils import TestClient, TestServer
+from test_server_live import Gate
 
 from minillm.config import ModelConfig
 from minillm.engine.llm_engine import EngineConfig, EngineStats, LLMEngine
@@ -158,19 +158,18 @@ def test_stop_strings_n_and_prompt_lists(model: GPT) -> None:
 def test_a_client_that_disconnects_mid_stream_is_aborted_and_its_blocks_freed(model: GPT, monkeypatch) -> None:
     async def main() -> None:
         async with serving(model) as client:
-            engine = state(client).engine.engine
-            step = engine.step
-            monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.01), step())[1])  # >= 1.2 s for 120 tokens
+            engine_loop = state(client).engine
+            gate = Gate(engine_loop.engine, monkeypatch)  # exactly three steps, then the engine holds
+            gate.allow(3)
             response = await client.post("/v1/completions", json={
                 "prompt": "Once", "max_tokens": 120, "temperature": 0, "ignore_eos": True, "stream": True})
-            data_lines = 0
-            while data_lines < 3:
-                data_lines += (await response.content.readline()).startswith(b"data: ")
-            assert state(client).engine.stats.kv_blocks_used > 0
+            assert (await response.content.readline()).startswith(b"data: ")
+            held = await asyncio.wait_for(engine_loop.wait_until(lambda s: s.generated_tokens == 3), 10)
+            assert held.running == 1 and held.kv_blocks_used > 0
             response.close()  # walk away mid-stream
-            s = await settled(client)
+            s = await settled(client)  # no step can finish it now: only the abort can empty the engine
             assert (s.stats.kv_blocks_used, s.stats.running, s.stats.waiting) == (0, 0, 0)
-            assert s.stats.generated_tokens < 30  # aborted long before its 120 tokens
+            assert s.stats.generated_tokens == 3
             assert await metric(client, 'minillm:request_success_total{finished_reason="abort"}') == 1
 
     run(main())

@@ -13,6 +13,7 @@ import json
 import os
 import queue
 import signal
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -127,45 +128,70 @@ def test_the_official_openai_client(model: GPT) -> None:
             client.completions.create(model="gpt-4o", prompt="hi")
 
 
-def slowed(engine: LLMEngine, monkeypatch, seconds: float = 0.01) -> LLMEngine:
-    """The engine, taking at least ``seconds`` a step, so a test can act while it works."""
-    step = engine.step
-    monkeypatch.setattr(engine, "step", lambda: (time.sleep(seconds), step())[1])
-    return engine
+class Gate:
+    """The engine's steps on the test's say-so, so a test can act between two steps however
+    fast or slow this machine is: a step runs only with a permit (``allow(n)`` grants ``n``;
+    ``open()`` lets every step from then on run). Without one the engine thread makes an empty
+    pass instead, in which it still applies its inbox (new requests, aborts, shutdown) exactly
+    as it does between real steps, and publishes fresh stats."""
+
+    def __init__(self, engine: LLMEngine, monkeypatch) -> None:
+        self._permits = threading.Semaphore(0)
+        self._open = threading.Event()
+        step = engine.step
+
+        def gated_step():
+            if self._open.is_set() or self._permits.acquire(timeout=0.002):
+                return step()
+            return []
+
+        monkeypatch.setattr(engine, "step", gated_step)
+
+    def allow(self, steps: int = 1) -> None:
+        self._permits.release(steps)
+
+    def open(self) -> None:
+        self._open.set()
 
 
 def test_a_client_that_leaves_while_queued_is_dropped_from_the_queue(model: GPT, monkeypatch) -> None:
     """Only handler cancellation can notice this client: nothing is ever written to it."""
-    engine = slowed(LLMEngine(model, EngineConfig(num_blocks=64, block_size=8, max_num_seqs=1), get_tokenizer()),
-                    monkeypatch)
+    engine = LLMEngine(model, EngineConfig(num_blocks=64, block_size=8, max_num_seqs=1), get_tokenizer())
+    gate = Gate(engine, monkeypatch)
 
     async def main(live: Live) -> None:
         url = f"{live.url}/v1/completions"
         async with aiohttp.ClientSession() as session:
-            long = {"prompt": "Once", "max_tokens": 60, "ignore_eos": True, "stream": True}
-            async with session.post(url, json=long) as running:  # holds the only seat for >= 0.6 s
+            long = {"prompt": "Once", "max_tokens": 8, "ignore_eos": True, "stream": True}
+            gate.allow(1)  # its first token, which its response headers wait for; then the engine holds
+            async with session.post(url, json=long) as running:  # holds the only seat
                 queued = asyncio.create_task(session.post(url, json={"prompt": "The dog", "max_tokens": 5}))
                 await live.wait_until(lambda s: s.waiting == 1)
                 queued.cancel()  # the client gives up: its connection closes
                 with contextlib.suppress(asyncio.CancelledError):
                     await queued
                 stats = await live.wait_until(lambda s: s.waiting == 0)
-                assert stats.running == 1 and stats.generated_tokens < 60  # dropped while the other ran
+                # dropped while the other held its seat, not steps later when it finished
+                assert (stats.running, stats.generated_tokens) == (1, 1)
+                gate.open()
                 assert (await running.read()).endswith(b"data: [DONE]\n\n")
             metrics = await (await session.get(f"{live.url}/metrics")).text()
         assert 'minillm:request_success_total{finished_reason="abort"} 1.0' in metrics
+        assert 'minillm:request_success_total{finished_reason="length"} 1.0' in metrics
 
     with live_server(engine) as live:
         asyncio.run(asyncio.wait_for(main(live), 30))
 
 
 def test_shutdown_aborts_what_outlives_the_grace_period(model: GPT, monkeypatch) -> None:
-    engine = slowed(small_engine(model), monkeypatch)  # 120 tokens take >= 1.2 s, longer than the grace
+    engine = small_engine(model)
+    gate = Gate(engine, monkeypatch)  # one step and no more: the stream outlives any grace period
 
     async def stream_until_shutdown(live: Live) -> list[bytes]:
         lines = []
         async with aiohttp.ClientSession() as session:
-            body = {"prompt": "Once", "max_tokens": 120, "ignore_eos": True, "stream": True}
+            body = {"prompt": "Once", "max_tokens": 120, "temperature": 0, "ignore_eos": True, "stream": True}
+            gate.allow(1)  # greedy: the same first token every run, one with text, so a first line comes
             async with session.post(f"{live.url}/v1/completions", json=body) as response:
                 lines.append(await response.content.readline())
                 live.stop()
@@ -180,7 +206,7 @@ def test_shutdown_aborts_what_outlives_the_grace_period(model: GPT, monkeypatch)
     engine_loop = live.app[STATE].engine
     stats = engine_loop.stats
     assert (stats.kv_blocks_used, stats.running, stats.waiting) == (0, 0, 0)
-    assert stats.generated_tokens < 120 and not engine_loop.alive
+    assert stats.generated_tokens == 1 and not engine_loop.alive
 
 
 def test_build_reports_a_missing_checkpoint_in_one_line(tmp_path: Path) -> None:

@@ -1,7 +1,6 @@
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -140,8 +139,15 @@ def test_quick_runs_keep_their_checkpoints_apart(home, monkeypatch) -> None:
 def test_measure_throughput_is_tokens_over_step_time(monkeypatch) -> None:
     from minillm import train as T
 
-    calls = []
-    monkeypatch.setattr(T, "train_step", lambda *a, **k: calls.append(1) or time.sleep(0.05))
-    rate = T.measure_throughput("tiny", batch_size=2, seq_len=16, steps=3, device="cpu")
+    now = [500.0]  # a fake clock: it moves only when a step says so, so the rate is exact
+    durations = [2.0, 0.25, 0.125, 0.5]  # a slow warm-up, then three timed steps
+    calls: list[int] = []
+
+    def step(*args, **kwargs) -> None:
+        now[0] += durations[len(calls)]
+        calls.append(1)
+
+    monkeypatch.setattr(T, "train_step", step)
+    rate = T.measure_throughput("tiny", batch_size=2, seq_len=16, steps=3, device="cpu", clock=lambda: now[0])
     assert len(calls) == 4  # one warm-up, three timed
-    assert 2 * 16 / 0.08 < rate < 2 * 16 / 0.05  # 32 tokens per ~50 ms step
+    assert rate == 2 * 16 / 0.25  # 32 tokens over the median timed step; the warm-up left out
