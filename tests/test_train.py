@@ -1,3 +1,5 @@
+import contextlib
+import math
 import os
 import subprocess
 import sys
@@ -9,7 +11,7 @@ from minillm.checkpoint import load_model, load_state, preset_dir
 from minillm.train import load_or_train
 from minillm.data import BatchSampler, prepare_corpus
 from minillm.model import GPT
-from minillm.train import TrainConfig, lr_at, make_optimizer, resolve, train, train_step
+from minillm.train import TrainConfig, evaluate, lr_at, make_optimizer, resolve, train, train_step
 
 SMALL = dict(preset="tiny", data="synthetic", max_stories=200, dtype="float32", progress=False, eval_batches=2)
 
@@ -45,12 +47,35 @@ def test_a_few_steps_reduce_the_loss_on_a_fixed_batch():
 
 def test_training_writes_metrics_and_a_loadable_model(home):
     metrics = train(TrainConfig(**SMALL, max_steps=4, eval_every=2, out=str(home / "run")))
-    assert metrics["step"] == 4 and metrics["val_loss"] > 0 and metrics["val_bpb"] > 0
+    assert metrics["step"] == 4
+    corpus = prepare_corpus("synthetic", max_stories=200, verbose=False)
+    cfg = resolve(TrainConfig(**SMALL))[0]
+    again = evaluate(load_model(home / "run"), corpus, cfg.seq_len, cfg.batch_size, cfg.eval_batches, contextlib.nullcontext())
+    assert metrics["val_loss"] == pytest.approx(again["val_loss"], rel=1e-5)  # the saved model is the evaluated one
+    assert metrics["val_loss"] < math.log(50257)  # four steps already beat guessing uniformly
     assert (home / "run" / "history.json").is_file()
     model = load_model(home / "run")
     assert not model.training and model.cfg.d_model == 64
     history = load_state(home / "run")["history"]
     assert [h["step"] for h in history] == [1, 2, 3, 4]
+
+
+def test_evaluation_of_a_model_that_guesses_uniformly_is_the_log_of_the_vocabulary(home):
+    """All-zero weights give equal logits everywhere: the loss is ln(vocab) exactly, the
+    perplexity the vocabulary's size, and bits per byte that loss in bits spread over the
+    split's bytes; an average that lost windows or mixed splits would still be ln(vocab), so
+    the bytes are checked against the split's own counts."""
+    corpus = prepare_corpus("synthetic", max_stories=200, verbose=False)
+    model = GPT(resolve(TrainConfig(preset="tiny"))[1])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    m = evaluate(model, corpus, 32, 4, 3, contextlib.nullcontext())
+    vocab, split = model.cfg.vocab_size, corpus.stats("validation")
+    assert m["val_loss"] == pytest.approx(math.log(vocab), rel=1e-6)
+    assert m["val_ppl"] == pytest.approx(vocab, rel=1e-5)
+    assert m["val_bpb"] == pytest.approx(math.log2(vocab) * split["tokens"] / split["bytes"], rel=1e-6)
+    assert split["tokens"] == len(corpus.tokens("validation")) and split["tokens"] != corpus.stats("train")["tokens"]
 
 
 def test_learning_rate_schedule():
