@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 import torch
 
 
+# A seed seeds a torch.Generator, which takes a 64-bit integer; like vLLM, take the signed range
+# (torch would alias -1 and 2**64 - 1, and past 64 bits it raises inside the engine step).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
 @dataclass
 class SamplingParams:
     """One request's decoding settings.
@@ -57,7 +61,8 @@ class SamplingParams:
             (not all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}"),
             (not all(_is_int(t) and t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}"),
             (not isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}"),
-            (self.seed is not None and not _is_int(self.seed), f"seed must be an integer, got {self.seed!r}"),
+            (self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
+             f"seed must be an integer in {SEED_MIN}..{SEED_MAX}, got {self.seed!r}"),
         ]
         for bad, message in problems:
             if bad:

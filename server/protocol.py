@@ -19,15 +19,12 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from minillm.sampling import SamplingParams
+from minillm.sampling import SEED_MAX, SEED_MIN, SamplingParams
 from minillm.tokenizer import Tokenizer
 from server.wire import OpenAIError, invalid
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 64  # prompts x n in one request; more is a batch job, not a request
-# A seed seeds a torch.Generator, which takes a 64-bit integer; like vLLM, take the signed range
-# (torch would alias -1 and 2**64 - 1). Choice j draws with seed + j, so that must fit too.
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 _KINDS: dict[str, Callable[[Any], bool]] = {
     "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -220,7 +217,7 @@ def _request(body: dict, chat: bool, prompts: list[list[int]], max_tokens: int |
     n = _field(body, "n", 1)
     if not 1 <= n or len(prompts) * n > MAX_CHOICES:
         raise invalid(f"n must be >= 1, with at most {MAX_CHOICES} completions per request", "n")
-    seed = _field(body, "seed", None)
+    seed = _field(body, "seed", None)  # SamplingParams checks its range; choice j draws with seed + j, so that must fit too
     if seed is not None and not SEED_MIN <= seed <= SEED_MAX - (n - 1):
         raise invalid(f"seed must be in {SEED_MIN}..{SEED_MAX - (n - 1)} with n={n} "
                       "(choice j draws with seed + j)", "seed")

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from minillm.sampling import SamplingParams, _filter, _invert_cdf, distribution, make_generator, sample
+from minillm.sampling import SEED_MAX, SEED_MIN, SamplingParams, _filter, _invert_cdf, distribution, make_generator, sample
 
 VOCAB = 1000
 
@@ -420,3 +420,13 @@ def test_bad_fields_are_refused_by_name(field, value):
 def test_good_fields_are_normalised():
     params = SamplingParams(stop="\n", top_k=0, stop_token_ids=None)
     assert params.stop == ["\n"] and params.top_k is None and params.stop_token_ids == []
+
+
+def test_a_seed_outside_a_generators_range_is_refused_when_the_params_are_made() -> None:
+    """torch.Generator takes a signed 64-bit seed: past it the engine step itself would raise,
+    failing every request in the batch, so the params refuse it where they are built."""
+    for edge in (SEED_MIN, SEED_MAX):
+        assert make_generator(SamplingParams(temperature=1.0, seed=edge), torch.device("cpu")) is not None
+    for bad in (SEED_MIN - 1, SEED_MAX + 1, 10**30):
+        with pytest.raises(ValueError, match="^seed must be an integer in"):
+            SamplingParams(temperature=1.0, seed=bad)
