@@ -19,6 +19,7 @@ from aiohttp import web
 from minillm.cli import UsageError, run
 from minillm.engine.build import EngineOptionError, build_engine, check_device
 from minillm.engine.llm_engine import LLMEngine
+from minillm.engine.memory import describe_cache
 from minillm.hardware import default_device
 from minillm.tokenizer import get_tokenizer
 from minillm.train import load_or_train
@@ -55,8 +56,18 @@ def prepare_decode(engine: LLMEngine) -> str:
     return f"decode steps {what} for batches of {graphs.buckets[0]}..{graphs.max_batch} in {seconds:.1f} s"
 
 
-def banner(config: ServerConfig, port: int, decode: str = "") -> str:
-    """What to paste to try the server: its URL, a curl command and an ``openai`` snippet.
+def memory_line(engine: LLMEngine) -> str:
+    """The banner's line about memory: ``--memory-budget``'s split when one was given, else
+    the KV cache's size and what it holds."""
+    if engine.memory is not None:
+        return engine.memory.describe()
+    pool = engine.pool
+    return describe_cache(pool.nbytes, pool.num_blocks, pool.block_size, engine.model.cfg.context_length)
+
+
+def banner(config: ServerConfig, port: int, *notes: str) -> str:
+    """What to paste to try the server: its URL, a curl command and an ``openai`` snippet,
+    after ``notes`` (the decode and memory lines), one a line.
     A key is never printed (stdout often ends up in logs): with one, both snippets read it
     from ``OPENAI_API_KEY``, where the ``openai`` client looks by default."""
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
@@ -67,7 +78,7 @@ def banner(config: ServerConfig, port: int, decode: str = "") -> str:
         key_note = "  (an API key is required: export OPENAI_API_KEY=<the key> where the client runs)\n"
     return f"""
 minillm is serving {name!r} at {url}   (Ctrl+C to stop)
-{key_note}{"  " + decode + chr(10) if decode else ""}
+{key_note}{"".join(f"  {note}{chr(10)}" for note in notes if note)}
   curl {url}/v1/completions -H "Content-Type: application/json"{curl_auth} \\
     -d '{{"model": "{name}", "prompt": "Once upon a time", "max_tokens": 40, "stream": true}}'
 
@@ -99,7 +110,7 @@ async def serve(app: web.Application, config: ServerConfig, stop: asyncio.Event,
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-async def _serve_until_signalled(app: web.Application, config: ServerConfig, decode: str) -> None:
+async def _serve_until_signalled(app: web.Application, config: ServerConfig, notes: list[str]) -> None:
     """Serve until the first SIGINT or SIGTERM. The handlers are then removed, so a second
     Ctrl+C stops at once instead of waiting out the grace period."""
     stop = asyncio.Event()
@@ -112,7 +123,7 @@ async def _serve_until_signalled(app: web.Application, config: ServerConfig, dec
 
     for sig in SIGNALS:
         loop.add_signal_handler(sig, on_signal)
-    await serve(app, config, stop, lambda port: print(banner(config, port, decode), flush=True))
+    await serve(app, config, stop, lambda port: print(banner(config, port, *notes), flush=True))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -120,9 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = build(config)
     try:
-        decode = prepare_decode(engine)
-        log.info(decode)
-        asyncio.run(_serve_until_signalled(create_app(engine, config), config, decode))
+        notes = [prepare_decode(engine), memory_line(engine)]
+        for note in notes:
+            log.info(note)
+        asyncio.run(_serve_until_signalled(create_app(engine, config), config, notes))
     finally:
         engine.close()  # a tensor-parallel model's workers
     return 0

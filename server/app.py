@@ -66,6 +66,7 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> web.Application:
     card = ModelCard(config.served_model_name, engine.model.cfg.context_length, engine.model.cfg.vocab_size)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[errors, auth])
     app[STATE] = state = State(async_engine, Metrics(async_engine), card, engine.tokenizer, config.api_key)
+    state.metrics.show_memory(engine)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

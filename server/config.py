@@ -28,6 +28,10 @@ class ServerConfig:
     already waiting is answered 429 at once, because queueing it would only make every
     client wait longer. ``shutdown_grace`` is how long in-flight requests may run after a
     SIGTERM before they are aborted.
+
+    ``memory_budget`` is the whole server's memory (the engine's ``memory_budget``: on a GPU
+    its device memory, on a CPU the process's resident set); ``kv_cache_memory`` sizes the KV
+    cache alone. Both size the cache, so giving both is refused, naming both flags.
     """
 
     checkpoint: str | None = None
@@ -36,6 +40,7 @@ class ServerConfig:
     device: str | None = None
     dtype: str | None = None
     kv_cache_memory: str | None = None
+    memory_budget: str | None = None
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -71,6 +76,9 @@ class ServerConfig:
             check_scheme(self.quantize)
             if self.tensor_parallel_size > 1:
                 raise ValueError("quantize does not combine with tensor_parallel_size > 1 (not supported)")
+        if self.memory_budget is not None and self.kv_cache_memory is not None:
+            raise ValueError("--memory-budget and --kv-cache-memory both size the KV cache: give one (--memory-budget "
+                             "is the whole server's memory, --kv-cache-memory the cache's alone)")
         resolve_dtype(self.dtype)
         self.engine_config()  # the engine's own checks, now rather than after loading the model
 
@@ -79,6 +87,7 @@ class ServerConfig:
         return EngineConfig(
             block_size=self.block_size,
             kv_cache_memory=self.kv_cache_memory,
+            memory_budget=self.memory_budget,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             tensor_parallel_size=self.tensor_parallel_size,
@@ -118,7 +127,13 @@ FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     ("--port", int, "port to listen on (0: any free port)"),
     ("--device", str, "cpu | cuda | cuda:1 | mps (default: the best available)"),
     ("--dtype", str, "float32 | bfloat16 | float16 (default: the checkpoint's)"),
-    ("--kv-cache-memory", _memory, "KV cache size, e.g. 6GiB (default: 1GiB on a CPU, 90%% of free GPU memory)"),
+    ("--kv-cache-memory", _memory, "KV cache size alone, e.g. 6GiB (default: 1GiB on a CPU, 90%% of free GPU memory; "
+                                   "or see --memory-budget)"),
+    ("--memory-budget", _memory, "the whole server's memory, e.g. 6GiB: on a GPU its device memory, on a CPU the "
+                                 "process's resident memory (torch included). At start the engine measures the "
+                                 "weights, the runtime and the activations of its largest step (--max-num-seqs, "
+                                 "--max-num-batched-tokens), and the KV cache gets the rest; per rank with "
+                                 "--tensor-parallel-size. Not with --kv-cache-memory"),
     ("--block-size", int, "tokens per KV block"),
     ("--max-num-seqs", int, "most requests running at once"),
     ("--max-num-batched-tokens", int, "most tokens computed in one engine step"),

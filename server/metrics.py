@@ -9,7 +9,12 @@ The names follow vLLM's (``vllm:time_to_first_token_seconds`` is ours
   KV-cache usage (a fraction, 0..1, as vLLM's ``kv_cache_usage_perc`` is), prefix-cache hit rate;
 - counters: preemptions, prompt and generated tokens, finished requests by finish reason
   (``stop``, ``length``, ``abort``, ``error``), and HTTP responses by path and status, which
-  is where refusals (429, 4xx) show up.
+  is where refusals (429, 4xx) show up;
+- the memory split, fixed at start-up (:mod:`minillm.engine.memory`): ``memory_bytes`` by
+  ``part`` (``budget``, ``runtime``, ``weights``, ``activations_peak``, ``allocator``,
+  ``graphs``, ``kv_cache``; only ``kv_cache`` when ``--memory-budget`` was not given), the KV blocks
+  (``kv_cache_blocks``) and how many sequences of full context they hold
+  (``kv_cache_full_context_sequences``).
 
 Each server owns its registry, so two servers in one process (the tests) never mix counts.
 """
@@ -18,6 +23,8 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from minillm.engine.llm_engine import LLMEngine
+from minillm.engine.memory import full_context_sequences
 from minillm.engine.sequence import RequestTimes
 from server.engine_loop import AsyncEngine
 
@@ -64,6 +71,18 @@ class Metrics:
         }
         for name, (text, read) in gauges.items():
             Gauge(PREFIX + name, text, registry=r).set_function(lambda read=read: read(self._engine.stats))
+
+    def show_memory(self, engine: LLMEngine) -> None:
+        """Export ``engine``'s memory split (module docstring): set once, since the pool never
+        changes size."""
+        r, pool, ctx = self.registry, engine.pool, engine.model.cfg.context_length
+        parts = engine.memory.parts() if engine.memory is not None else {"kv_cache": pool.nbytes}
+        memory = Gauge(PREFIX + "memory_bytes", "The memory budget's split, by part (bytes).", ["part"], registry=r)
+        for part, value in parts.items():
+            memory.labels(part).set(value)
+        Gauge(PREFIX + "kv_cache_blocks", "KV-cache blocks in the pool.", registry=r).set(pool.num_blocks)
+        Gauge(PREFIX + "kv_cache_full_context_sequences", "Sequences of full context the KV cache holds at once.",
+              registry=r).set(full_context_sequences(pool.num_blocks, pool.block_size, ctx))
 
     def choice_finished(self, reason: str, times: RequestTimes | None) -> None:
         """Count one finished choice; a normal finish also records its latencies."""

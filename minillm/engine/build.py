@@ -16,6 +16,7 @@ import torch
 
 from minillm.checkpoint import load_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine.memory import MemoryBudgetError
 from minillm.engine.speculator import Speculator
 from minillm.model import GPT
 from minillm.quant import cast_and_quantize
@@ -48,7 +49,9 @@ def build_engine(
     path, loaded onto ``device``, the CPU by default). ``quantize="int8"`` or ``"int4"`` stores
     the matrices in that many bits, with bf16 activations unless ``dtype`` says otherwise.
     ``config.tensor_parallel_size > 1`` starts that many worker processes (``engine.close()``
-    stops them). ``speculative_draft``: a draft ``GPT``, its checkpoint, or ``"ngram"``."""
+    stops them). ``speculative_draft``: a draft ``GPT``, its checkpoint, or ``"ngram"``.
+    A ``config.memory_budget`` too small for the model is an :class:`EngineOptionError`
+    naming ``memory_budget``."""
     config = config or EngineConfig()
     model = load_weights(model, device)
     if quantize is not None and config.tensor_parallel_size != 1:
@@ -64,10 +67,12 @@ def build_engine(
         model = TensorParallelGPT(model.eval(), config.tensor_parallel_size)  # type: ignore[assignment]
     try:
         return LLMEngine(model, config, tokenizer, speculator)
-    except BaseException:
+    except BaseException as err:
         close = getattr(model, "close", None)  # workers already started must not outlive a failure
         if close is not None:
             close()
+        if isinstance(err, MemoryBudgetError):
+            raise EngineOptionError("memory_budget", str(err)) from None
         raise
 
 

@@ -20,8 +20,9 @@ import torch
 from minillm.config import ModelConfig
 from minillm.detokenizer import IncrementalDetokenizer
 from minillm.engine.block_allocator import BlockAllocator
-from minillm.engine.decode_graphs import DecodeGraphs, capture_unsupported
+from minillm.engine.decode_graphs import DecodeGraphs, capture_mode, capture_unsupported
 from minillm.engine.kv_cache import ATTENTION_BACKENDS, PagedKVPool, blocks_for_memory
+from minillm.engine.memory import MemorySplit, measure
 from minillm.engine.model_runner import ModelRunner
 from minillm.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from minillm.engine.sequence import FinishReason, RequestTimes, Sequence
@@ -40,15 +41,21 @@ GPU_MEMORY_FRACTION = 0.9
 class EngineConfig:
     """How big the KV pool is and how much work one step may take on.
 
-    ``kv_cache_memory`` is a byte budget (``"6GiB"``); by default 1 GiB on a CPU, and on a GPU
-    90% of the memory left free after the model is loaded. ``num_blocks`` overrides it (tests
-    use tiny pools to force preemption). ``tensor_parallel_size`` splits the model over that
-    many processes (``minillm.parallel``; :func:`minillm.engine.build.build_engine` starts them);
-    the KV budget is then per rank, each holding its heads.
+    ``kv_cache_memory`` is the KV cache's byte budget (``"6GiB"``); by default 1 GiB on a CPU,
+    and on a GPU 90% of the memory left free after the model is loaded. ``memory_budget`` is
+    the whole process's instead (weights, activations, runtime and cache: on a GPU the device's
+    memory, on a CPU the resident set): the engine measures the rest by running its largest
+    step, and the cache gets what remains (:mod:`minillm.engine.memory`); it is refused
+    together with ``kv_cache_memory`` or ``num_blocks``, which size the cache alone.
+    ``num_blocks`` overrides the byte budgets (tests use tiny pools to force preemption).
+    ``tensor_parallel_size`` splits the model over that many processes (``minillm.parallel``;
+    :func:`minillm.engine.build.build_engine` starts them); both budgets are then per rank,
+    each holding its heads.
     """
 
     block_size: int = 16
     kv_cache_memory: str | int | None = None
+    memory_budget: str | int | None = None
     num_blocks: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -64,7 +71,11 @@ class EngineConfig:
     enforce_eager: bool | None = None
     # Run a copy of the model whose matrices are prepacked for oneDNN (minillm.packed): True
     # insists, False keeps the weights as they are, None packs wherever it is supported (a
-    # float32 model on a CPU) unless enforce_eager asks for the plain reference path.
+    # float32 model on a CPU) unless enforce_eager asks for the plain reference path, or
+    # memory_budget for memory that stays where it was measured: oneDNN keeps a primitive, with
+    # its scratch memory, for every batch shape it has run (about 2.6 MB per shape on the tiny
+    # preset, up to its caches' 1,024 entries), so a packed model grows with each new shape long
+    # after any warm-up; the two are refused together.
     pack_weights: bool | None = None
 
     def __post_init__(self) -> None:
@@ -81,6 +92,16 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
+        if self.memory_budget is not None:
+            parse_memory(self.memory_budget)
+            if self.kv_cache_memory is not None or self.num_blocks is not None:
+                raise ValueError(
+                    "memory_budget sizes the KV cache from the whole process's memory, kv_cache_memory and "
+                    "num_blocks size it alone: give one of them"
+                )
+            if self.pack_weights:
+                raise ValueError("pack_weights=True does not combine with memory_budget: oneDNN's per-shape "
+                                 "primitives grow past what a warm-up measures (see EngineConfig.pack_weights)")
 
     def pool_blocks(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
         if self.num_blocks is not None:
@@ -156,7 +177,13 @@ class LLMEngine:
         self.tokenizer = tokenizer or get_tokenizer()
         if config.attention == "triton":  # fail now, not in the first request
             _require_triton(model.device)
-        num_blocks = config.pool_blocks(model.cfg, model.dtype, model.device)
+        self.eager_reason = _eager_reason(plain, config)
+        capture = capture_mode(model.device) if self.eager_reason is None else None
+        # the split of memory_budget, measured by a warm-up step; None when the cache was sized alone
+        self.memory: MemorySplit | None = None
+        if config.memory_budget is not None:
+            self.memory = measure(model, plain, config, capture)
+        num_blocks = self.memory.blocks if self.memory else config.pool_blocks(model.cfg, model.dtype, model.device)
         self.pool = PagedKVPool(model.cfg, num_blocks, config.block_size, model.device, model.dtype)
         self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -167,21 +194,10 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             num_lookahead_slots=speculator.k if speculator is not None else 0,
         )
-        self.graphs, self.eager_reason = self._decode_graphs(plain, config)
+        self.graphs = None if capture is None else DecodeGraphs(plain, self.pool, config.max_num_seqs, config.attention)
         self.runner = ModelRunner(model, self.pool, config.attention, speculator, self.graphs)
         self._steps = self._prefill_tokens = self._generated = 0
         self.last_step: SchedulerOutput | None = None  # what the latest step ran, for timelines and dashboards
-
-    def _decode_graphs(self, model: GPT, config: EngineConfig) -> tuple[DecodeGraphs | None, str | None]:
-        """The captured decode programs when ``config`` asks for them (see ``enforce_eager``)
-        and the model is one they can run, their buckets covering ``max_num_seqs`` rows; or
-        None and the reason every step runs eagerly."""
-        if config.enforce_eager or (config.enforce_eager is None and model.device.type != "cuda"):
-            return None, "enforce_eager" if config.enforce_eager else "a CPU compiles only when asked (enforce_eager=False)"
-        reason = capture_unsupported(model)
-        if reason is not None:
-            return None, reason
-        return DecodeGraphs(model, self.pool, config.max_num_seqs, config.attention), None
 
     @property
     def speculator(self) -> Speculator | None:
@@ -295,9 +311,21 @@ class LLMEngine:
         )
 
 
+def _eager_reason(model: GPT, config: EngineConfig) -> str | None:
+    """Why every step runs eagerly, or None when decode steps are captured (see
+    ``enforce_eager``): ``config`` asks for it and the model is one the captured programs,
+    whose buckets cover ``max_num_seqs`` rows, can run."""
+    if config.enforce_eager or (config.enforce_eager is None and model.device.type != "cuda"):
+        return "enforce_eager" if config.enforce_eager else "a CPU compiles only when asked (enforce_eager=False)"
+    return capture_unsupported(model)
+
+
 def _engine_model(model: GPT, config: EngineConfig) -> GPT:
     """The model the engine runs: ``model`` itself, or its weight-packed copy (``pack_weights``)."""
-    pack = config.pack_weights if config.pack_weights is not None else not config.enforce_eager
+    if config.pack_weights is not None:
+        pack = config.pack_weights
+    else:
+        pack = not config.enforce_eager and config.memory_budget is None
     if not pack:
         return model
     reason = packing_unsupported(model)
