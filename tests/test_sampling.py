@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from minillm.sampling import SEED_MAX, SEED_MIN, SamplingParams, _filter, _invert_cdf, distribution, make_generator, sample
+from minillm.sampling import SAMPLE_CHUNK_ROWS, SEED_MAX, SEED_MIN, SamplingParams, _filter, _invert_cdf, distribution, make_generator, sample
 
 VOCAB = 1000
 
@@ -430,3 +430,20 @@ def test_a_seed_outside_a_generators_range_is_refused_when_the_params_are_made()
     for bad in (SEED_MIN - 1, SEED_MAX + 1, 10**30):
         with pytest.raises(ValueError, match="^seed must be an integer in"):
             SamplingParams(temperature=1.0, seed=bad)
+
+
+def test_a_batch_larger_than_a_chunk_draws_each_row_as_if_alone() -> None:
+    """Sampled rows go through the filters ``SAMPLE_CHUNK_ROWS`` at a time, to bound the
+    sort's memory; every row of a batch spanning several chunks, whatever its settings and
+    wherever it falls, must draw what it draws on its own."""
+    rng = random.Random(3)
+    settings = [SamplingParams(temperature=0), SamplingParams(temperature=0.9), SamplingParams(top_k=50),
+                SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(top_k=VOCAB, top_p=0.999)]
+    rows = 3 * SAMPLE_CHUNK_ROWS + 7
+    params = [replace(rng.choice(settings), seed=i) for i in range(rows)]
+    logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(0)) * 2
+    logits[rows - 1] = logits[rows - 1].round()  # ties at the cut, in the last, partial chunk
+    together = sample(logits, params, [make_generator(p, "cpu") for p in params]).tolist()
+    alone = [int(sample(logits[i:i + 1], [p], [make_generator(p, "cpu")])[0]) for i, p in enumerate(params)]
+    assert together == alone
+    assert len(set(together)) > rows // 2  # distinct rows, distinct draws: nothing collapsed onto one index
