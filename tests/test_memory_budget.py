@@ -2,7 +2,7 @@
 
 On a CPU the budget is the process's resident memory, torch included (minillm.engine.memory),
 so the check is the plainest there is: a child process that serves a full batch to full
-context never has more resident than its budget (``ru_maxrss``), and the pool it was given
+context never has more resident than its budget (``VmHWM``), and the pool it was given
 is no smaller than its measurements allow.
 """
 
@@ -40,22 +40,25 @@ CPU = torch.device("cpu")
 # 2048 tokens of 64 prompts (56 to 63 tokens each), its decodes then run up to 56 rows, each
 # sampling with top_k = the vocabulary, to the end of the 64-token context: the shapes the
 # warm-up measures, at most. Its budget is what it holds once torch is imported (about 280 MiB
-# here) and 320 MiB more: 13 for the weights, about 45 for the tokenizer, 140 for the
+# here) and 320 MiB more: 13 for the weights, about 45 for the tokenizer, 80 for the
 # activations, 64 for the allocator's slack, the rest for the KV cache.
 CHILD = r"""
-import dataclasses, json, resource, torch
+import dataclasses, json, re, torch
 from minillm.config import get_preset
 from minillm.engine import LLM, SamplingParams
 from minillm.engine.memory import resident_bytes
 from minillm.model import GPT
+def high_water():  # VmHWM: this image's own peak (ru_maxrss would count the forking parent)
+    return int(re.search(r"VmHWM:\s+(\d+) kB", open("/proc/self/status").read())[1]) * 1024
 torch.manual_seed(0)
 budget = resident_bytes(torch.device("cpu")) + 320 * 2**20
 model = GPT(get_preset("tiny")).eval()
+before = high_water()  # the warm-up resets the mark, so keep what came before it
 llm = LLM(model, memory_budget=budget, max_num_seqs=64)
 ctx, vocab = model.cfg.context_length, model.cfg.vocab_size
 prompts = [torch.randint(vocab, (56 + i % 8,)).tolist() for i in range(64)]
 outs = llm.generate(prompts, SamplingParams(max_tokens=ctx, top_k=vocab, ignore_eos=True), use_tqdm=False)
-print(json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+print(json.dumps({"peak": max(before, high_water()),
                   "split": dataclasses.asdict(llm.engine.memory), "pool": llm.engine.pool.nbytes,
                   "lengths": sorted({len(o.prompt_token_ids) + len(o.token_ids) for o in outs}),
                   "preemptions": llm.engine.stats().preemptions}))
@@ -221,3 +224,30 @@ def test_weights_count_each_tensor_once_and_packed_copies_too() -> None:
     matrices = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
     matrices += model.tok_emb.weight.numel() * 4  # the tied output projection
     assert weight_bytes(packed, model) == params + matrices
+
+
+def test_quantized_weights_are_measured_as_stored() -> None:
+    """An int8 model's weights are its int8 matrices and their scales, not the float model it
+    came from; the engine measures the model it runs."""
+    model = small_model()
+    fp32 = weight_bytes(model)
+    budget = resident_bytes(CPU) + 160 * MiB
+    with LLM(model, quantize="int8", memory_budget=budget, max_num_seqs=4, max_num_batched_tokens=64) as llm:
+        split, engine = llm.engine.memory, llm.engine
+        stored = sum(t.untyped_storage().nbytes() for t in [*engine.model.parameters(), *engine.model.buffers()])
+        assert split.weights == weight_bytes(engine.model) <= stored
+        assert split.weights < fp32 / 2  # int8 matrices, bf16 rest: well under the fp32 model
+        assert engine.pool.nbytes == split.kv_cache and engine.pool.k.dtype == torch.bfloat16
+        assert split.block_bytes == 16 * kv_bytes_per_token(model.cfg, torch.bfloat16)
+
+
+def test_compiled_decode_steps_reserve_a_copy_of_the_weights_per_bucket() -> None:
+    """Inductor freezes the weights into each bucket's program, so a budget that compiles sets
+    aside one copy per bucket (an upper bound) before anything is compiled."""
+    model = small_model()
+    budget = resident_bytes(CPU) + 240 * MiB  # four copies of the weights besides the rest
+    llm = LLM(model, enforce_eager=False, memory_budget=budget, max_num_seqs=5, max_num_batched_tokens=64)
+    split = llm.engine.memory
+    assert llm.engine.graphs is not None and llm.engine.graphs.buckets == [1, 2, 4, 8]
+    assert split.graphs == 4 * weight_bytes(model)
+    assert LLM(model, memory_budget=budget, max_num_seqs=5, max_num_batched_tokens=64).engine.memory.graphs == 0
