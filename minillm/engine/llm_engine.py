@@ -182,7 +182,9 @@ class LLMEngine:
         # the split of memory_budget, measured by a warm-up step; None when the cache was sized alone
         self.memory: MemorySplit | None = None
         if config.memory_budget is not None:
-            self.memory = measure(model, plain, config, capture)
+            self.memory = measure(model, plain, config.memory_budget, block_size=config.block_size,
+                                  max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                                  attention=config.attention, capture=capture)
         num_blocks = self.memory.blocks if self.memory else config.pool_blocks(model.cfg, model.dtype, model.device)
         self.pool = PagedKVPool(model.cfg, num_blocks, config.block_size, model.device, model.dtype)
         self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)

@@ -40,7 +40,6 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -55,9 +54,6 @@ from minillm.model import GPT
 from minillm.packed import packed_bytes
 from minillm.sampling import SamplingParams, make_generator
 from minillm.units import parse_memory
-
-if TYPE_CHECKING:
-    from minillm.engine.llm_engine import EngineConfig
 
 _PROC_STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
@@ -304,9 +300,11 @@ def profile_peak(model: GPT, *, block_size: int, max_num_seqs: int, max_num_batc
     return max(step_peak, 0), max(decode_peak, 0)
 
 
-def measure(model: GPT, plain: GPT, config: EngineConfig, capture: str | None) -> MemorySplit:
-    """The split of ``config.memory_budget`` for an engine about to run ``model``; ``plain``
-    is the model it was made from (the same, or the one its packed copy shares tensors with).
+def measure(model: GPT, plain: GPT, budget: str | int, *, block_size: int, max_num_seqs: int,
+            max_num_batched_tokens: int, attention: str, capture: str | None) -> MemorySplit:
+    """The split of ``budget`` for an engine about to run ``model`` with those settings (its
+    ``EngineConfig``'s); ``plain`` is the model it was made from (the same, or the one its
+    packed copy shares tensors with).
 
     ``capture`` is how decode steps will be captured (``"cuda-graph"``, ``"compile"``, or None
     for eager), which decides ``graphs``. A CUDA graph's private memory holds one decode
@@ -320,13 +318,11 @@ def measure(model: GPT, plain: GPT, config: EngineConfig, capture: str | None) -
     """
     device = model.device
     check_measurable(device)
-    budget = parse_memory(config.memory_budget)
+    budget = parse_memory(budget)
     weights = weight_bytes(model, plain)
     resident, outside = resident_bytes(device), _outside_allocator(device)
-    step_peak, decode_peak = profile_peak(
-        model, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens, attention=config.attention,
-    )
+    step_peak, decode_peak = profile_peak(model, block_size=block_size, max_num_seqs=max_num_seqs,
+                                          max_num_batched_tokens=max_num_batched_tokens, attention=attention)
     # On CUDA what the first steps load outside the allocator (kernels, cuBLAS) is not in its
     # peak: add it. On a CPU the resident set's peak has it already.
     runtime = max(resident - weights, 0) + max(_outside_allocator(device) - outside, 0)
@@ -334,9 +330,9 @@ def measure(model: GPT, plain: GPT, config: EngineConfig, capture: str | None) -
     if capture == "cuda-graph":
         graphs = decode_peak
     elif capture == "compile":
-        graphs = len(bucket_sizes(config.max_num_seqs)) * weight_bytes(plain)
+        graphs = len(bucket_sizes(max_num_seqs)) * weight_bytes(plain)
     else:
         graphs = 0
     return plan(budget, runtime=runtime, weights=weights, activations=step_peak, allocator=allocator,
-                graphs=graphs, block_bytes=config.block_size * kv_bytes_per_token(model.cfg, model.dtype),
-                block_size=config.block_size, context_length=model.cfg.context_length)
+                graphs=graphs, block_bytes=block_size * kv_bytes_per_token(model.cfg, model.dtype),
+                block_size=block_size, context_length=model.cfg.context_length)
