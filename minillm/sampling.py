@@ -13,6 +13,7 @@ whatever else shares its batch: batching is the server's business, never the use
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,10 @@ import torch
 # A seed seeds a torch.Generator, which takes a 64-bit integer; like vLLM, take the signed range
 # (torch would alias -1 and 2**64 - 1, and past 64 bits it raises inside the engine step).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# Below this temperature a request is greedy, as in vLLM. Dividing logits by a temperature
+# that float32 cannot hold (under about 1e-38) makes them infinite and the softmax NaN, and
+# long before that the distribution is argmax to every digit float32 keeps.
+GREEDY_TEMPERATURE = 1e-5
 
 @dataclass
 class SamplingParams:
@@ -55,24 +60,26 @@ class SamplingParams:
             self.top_k = None
         problems = [
             (not _is_int(self.max_tokens) or self.max_tokens < 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
-            (not _is_number(self.temperature) or self.temperature < 0, f"temperature must be a number >= 0, got {self.temperature!r}"),
-            (self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1), f"top_k must be an integer >= 1 (or 0/None for all), got {self.top_k!r}"),
+            (not _is_finite(self.temperature) or self.temperature < 0, f"temperature must be a finite number >= 0, got {_brief(self.temperature)}"),
+            (self.top_k is not None and (not _is_int(self.top_k) or not 1 <= self.top_k <= SEED_MAX),
+             f"top_k must be an integer in 1..{SEED_MAX} (or 0/None for all), got {_brief(self.top_k)}"),
             (not _is_number(self.top_p) or not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
             (not all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}"),
             (not all(_is_int(t) and t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}"),
             (not isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}"),
             (self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
-             f"seed must be an integer in {SEED_MIN}..{SEED_MAX}, got {self.seed!r}"),
+             f"seed must be an integer in {SEED_MIN}..{SEED_MAX}, got {_brief(self.seed)}"),
         ]
         for bad, message in problems:
             if bad:
                 raise ValueError(message)
+        self.temperature = float(self.temperature)
 
     @property
     def greedy(self) -> bool:
         """True when the choice is always the most likely token: temperature 0, or top-k 1
         (one candidate left, whatever the temperature), so no random draw is needed."""
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def filters(self) -> bool:
@@ -86,6 +93,20 @@ def _is_int(x: object) -> bool:
 
 def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
+
+
+def _is_finite(x: object) -> bool:
+    """A number a float holds: not NaN or infinite, and not an integer too large to convert."""
+    try:
+        return _is_number(x) and math.isfinite(float(x))  # type: ignore[arg-type]
+    except OverflowError:
+        return False
+
+
+def _brief(x: object) -> str:
+    """``repr(x)``, cut short: an error message must not echo a thousand-digit number back."""
+    text = repr(x)
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
@@ -162,7 +183,7 @@ def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if not params.filters:
         return probs
     rows, vocab = probs.shape
-    top_k = torch.full((rows, 1), params.top_k or vocab, device=probs.device)
+    top_k = torch.full((rows, 1), min(params.top_k or vocab, vocab), device=probs.device)
     top_p = torch.full((rows, 1), params.top_p, device=probs.device)
     ranked, order = _largest_first(probs, top_k, top_p)  # the sampler's ranking, ties and all
     kept = torch.zeros_like(probs).scatter_(-1, order, _filter(ranked, top_k, top_p, vocab))
@@ -181,7 +202,7 @@ def _sample_rows(
     probs = torch.softmax(logits / temperature, dim=-1)
     order = None
     if params[0].filters:
-        top_k = torch.tensor([p.top_k or vocab for p in params], device=device)[:, None]
+        top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=device)[:, None]
         top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
         probs, order = _largest_first(probs, top_k, top_p)
         probs = _filter(probs, top_k, top_p, vocab)

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from minillm.sampling import SAMPLE_CHUNK_ROWS, SEED_MAX, SEED_MIN, SamplingParams, _filter, _invert_cdf, distribution, make_generator, sample
+from minillm.sampling import GREEDY_TEMPERATURE, SAMPLE_CHUNK_ROWS, SEED_MAX, SEED_MIN, SamplingParams, _filter, _invert_cdf, distribution, make_generator, sample
 
 VOCAB = 1000
 
@@ -447,3 +447,32 @@ def test_a_batch_larger_than_a_chunk_draws_each_row_as_if_alone() -> None:
     alone = [int(sample(logits[i:i + 1], [p], [make_generator(p, "cpu")])[0]) for i, p in enumerate(params)]
     assert together == alone
     assert len(set(together)) > rows // 2  # distinct rows, distinct draws: nothing collapsed onto one index
+
+
+@pytest.mark.parametrize("temperature", [1e-50, 1e-38, math.nextafter(GREEDY_TEMPERATURE, 0)])
+def test_a_temperature_too_small_for_float32_is_greedy_not_nan(temperature: float) -> None:
+    """logits / 1e-50 is infinite in float32 and its softmax NaN, which drew token 0 for ever:
+    below GREEDY_TEMPERATURE a request is greedy, as in vLLM."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0)) * 4
+    params = [SamplingParams(temperature=temperature, seed=1)] * 3
+    assert all(p.greedy for p in params)
+    assert sample(logits, params, [make_generator(p, "cpu") for p in params]).tolist() == logits.argmax(-1).tolist()
+
+
+def test_the_smallest_sampled_temperature_still_gives_a_proper_distribution() -> None:
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0)) * 30
+    params = SamplingParams(temperature=GREEDY_TEMPERATURE, seed=1)
+    assert not params.greedy
+    probs = distribution(logits, params)
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(2))
+    assert sample(logits, [params] * 2, [make_generator(params, "cpu")] * 2).tolist() == logits.argmax(-1).tolist()
+
+
+def test_a_top_k_past_the_vocabulary_keeps_every_token() -> None:
+    """A top_k of 2**63 - 1 is valid and means "all": the sampler clamps it to the vocabulary
+    (a tensor of it overflowed inside the engine step before)."""
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
+    huge, every = SamplingParams(top_k=SEED_MAX, seed=4), SamplingParams(top_k=VOCAB, seed=4)
+    assert torch.equal(distribution(logits, huge), distribution(logits, every))
+    drawn = [sample(logits, [p] * 2, [make_generator(p, "cpu") for _ in range(2)]).tolist() for p in (huge, every)]
+    assert drawn[0] == drawn[1]
