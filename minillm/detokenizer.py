@@ -47,9 +47,8 @@ class IncrementalDetokenizer:
             raise ValueError(f"stop must be non-empty strings, got {stop!r}")
         self._tokenizer = tokenizer
         self._stop = stop
-        # Every proper prefix of every stop string: the text we may have to hold back.
-        self._prefixes = {s[:k] for s in stop for k in range(1, len(s))}
-        self._longest_prefix = max((len(s) - 1 for s in stop), default=0)
+        # How much of each stop string the text ends with: the text we may have to hold back.
+        self._matches = [_SuffixMatch(s) for s in stop]
         # Python's incremental UTF-8 decoder keeps an unfinished character's bytes until they
         # are complete and turns bytes that can never be completed into U+FFFD, exactly as a
         # one-shot ``decode(errors="replace")`` of the whole stream would.
@@ -92,11 +91,12 @@ class IncrementalDetokenizer:
         the longest stop string, and any stop string completing now must start inside it.
         """
         window = self._held + new_text
+        held = max((m.feed(new_text) for m in self._matches), default=0)
         match = self._first_stop(window)
         if match is not None:
             start, self.stop_reason = match
             window, self._held, final = window[:start], "", True
-        keep = 0 if final else self._hold_length(window)
+        keep = 0 if final else held
         out, self._held = window[: len(window) - keep], window[len(window) - keep :]
         self._finished = final
         if out:
@@ -111,9 +111,39 @@ class IncrementalDetokenizer:
         _, start, stop = min(found)
         return start, stop
 
-    def _hold_length(self, window: str) -> int:
-        """Length of the longest suffix of ``window`` that is a proper prefix of a stop string."""
-        for k in range(min(self._longest_prefix, len(window)), 0, -1):
-            if window[-k:] in self._prefixes:
-                return k
-        return 0
+
+
+class _SuffixMatch:
+    """How many leading characters of one stop string the text read so far ends with.
+
+    That is what must be held back: text that a stop string could still complete. Knuth,
+    Morris and Pratt's failure table lets the count advance a character at a time, in
+    amortised constant time, and holds one integer per character of the stop string; testing
+    every suffix against every prefix instead costs the square of the stop's length per token
+    (and, held as a set of prefixes, as much memory).
+    """
+
+    def __init__(self, stop: str) -> None:
+        self.stop, self.matched = stop, 0
+        # fail[i]: the longest proper prefix of stop[: i + 1] that is also its suffix
+        self.fail = [0] * len(stop)
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self.fail[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            self.fail[i] = k
+
+    def feed(self, text: str) -> int:
+        """Read ``text``; returns the new count (``len(stop)`` when the text ends with all of it)."""
+        stop, fail, k = self.stop, self.fail, self.matched
+        for ch in text:
+            if k == len(stop):
+                k = fail[k - 1]
+            while k and ch != stop[k]:
+                k = fail[k - 1]
+            if ch == stop[k]:
+                k += 1
+        self.matched = k
+        return k

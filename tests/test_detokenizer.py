@@ -191,3 +191,33 @@ def test_a_single_string_is_one_stop_string(tok):
     detok = IncrementalDetokenizer(tok, "ab")
     stream(detok, tok.encode("a b ab"))
     assert detok.text == "a b " and detok.stop_reason == "ab"
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_held_text_is_exactly_the_longest_stop_prefix_at_every_token(seed):
+    """After every token, what is held back is the longest suffix of the text read that a
+    stop string could still complete, checked by brute force over a two-letter alphabet
+    (where self-overlapping stops such as "abab" and "aab" are common)."""
+    rng = random.Random(seed)
+    stops = ["".join(rng.choice("ab") for _ in range(rng.randint(2, 7))) for _ in range(rng.randint(1, 3))]
+    text = "".join(rng.choice("ab") for _ in range(60))
+    chunks = [c for c in split_randomly(text.encode(), rng)]
+    detok = IncrementalDetokenizer(Chunks(chunks), stops)
+    read = ""
+    for i, chunk in enumerate(chunks):
+        detok.add(i)
+        read += chunk.decode()
+        if detok.stopped:
+            break
+        expected = max((k for s in stops for k in range(1, len(s)) if read.endswith(s[:k])), default=0)
+        assert detok.text == read[: len(read) - expected], (stops, read)
+
+
+def test_a_long_stop_string_is_held_in_memory_linear_in_its_length(tok):
+    """A stop string of 100,000 characters: held as every one of its prefixes it would take
+    about 5 x 10^9 characters; the failure table is one integer per character."""
+    stop = "ab" * 50_000
+    detok = IncrementalDetokenizer(tok, [stop])
+    assert sum(len(m.fail) for m in detok._matches) == len(stop)
+    pieces = stream(detok, tok.encode("ab" * 300 + " and more"))
+    assert not detok.stopped and "".join(pieces) == "ab" * 300 + " and more"
