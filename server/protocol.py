@@ -25,6 +25,10 @@ from server.wire import OpenAIError, invalid
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 64  # prompts x n in one request; more is a batch job, not a request
+MAX_TEMPERATURE = 2.0  # OpenAI's range is 0..2
+# OpenAI takes up to 4 stop sequences. Each is searched for after every token, for every
+# choice, so a length cap too: generous for "\n\nUser:"-like stops, small beside a body.
+MAX_STOPS, MAX_STOP_CHARS = 4, 512
 
 _KINDS: dict[str, Callable[[Any], bool]] = {
     "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -98,7 +102,9 @@ def parse_completion(body: Any, tokenizer: Tokenizer, card: ModelCard) -> Genera
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of token ids
     or a list of such lists. ``max_tokens`` defaults to OpenAI's 16, cut to what fits."""
     _check_fields(body, _COMPLETION_FIELDS, card)
-    prompts = [_tokens(p, tokenizer, card.vocab_size) for p in _prompt_list(body.get("prompt"))]
+    listed = _prompt_list(body.get("prompt"))
+    _count_choices(len(listed), _field(body, "n", 1))  # before any tokenizing: a count costs nothing
+    prompts = [_tokens(p, tokenizer, card.vocab_size) for p in listed]
     max_tokens = _field(body, "max_tokens", None)
     return _request(body, False, prompts, max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, card)
 
@@ -181,7 +187,7 @@ def chat_prompt(messages: Any) -> str:
     lines = []
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise invalid(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}", "messages")
         text = _content(message.get("content"), i)
         lines.append(f"{CHAT_ROLES[role]}{text}\n" + ("\n" if CHAT_ROLES[role] == "" else ""))
@@ -214,9 +220,7 @@ def _request(body: dict, chat: bool, prompts: list[list[int]], max_tokens: int |
         raise invalid(f"this model's maximum context length is {card.max_model_len} tokens; you requested "
                       f"{longest + max_tokens} ({longest} in the prompt, {max_tokens} in the completion)",
                       max_tokens_param)
-    n = _field(body, "n", 1)
-    if not 1 <= n or len(prompts) * n > MAX_CHOICES:
-        raise invalid(f"n must be >= 1, with at most {MAX_CHOICES} completions per request", "n")
+    n = _count_choices(len(prompts), _field(body, "n", 1))
     seed = _field(body, "seed", None)  # SamplingParams checks its range; choice j draws with seed + j, so that must fit too
     if seed is not None and not SEED_MIN <= seed <= SEED_MAX - (n - 1):
         raise invalid(f"seed must be in {SEED_MIN}..{SEED_MAX - (n - 1)} with n={n} "
@@ -229,10 +233,15 @@ def _request(body: dict, chat: bool, prompts: list[list[int]], max_tokens: int |
     if not isinstance(include_usage, bool):
         raise invalid("stream_options.include_usage must be a boolean", "stream_options")
     top_k = _field(body, "top_k", None)
+    if top_k is not None and top_k < -1:
+        raise invalid(f"top_k must be -1 or 0 (all tokens) or a count >= 1, got {_short(top_k)}", "top_k")
+    temperature = _field(body, "temperature", 1.0)
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        raise invalid(f"temperature must be in 0..{MAX_TEMPERATURE:g}, got {_short(temperature)}", "temperature")
     try:
         params = SamplingParams(
             max_tokens=min(default_max, room) if max_tokens is None else max_tokens,
-            temperature=_field(body, "temperature", 1.0),
+            temperature=temperature,
             top_p=_field(body, "top_p", 1.0),
             top_k=None if top_k == -1 else top_k,  # vLLM's -1 also means "all tokens"
             stop=_stop(body.get("stop")),
@@ -244,12 +253,24 @@ def _request(body: dict, chat: bool, prompts: list[list[int]], max_tokens: int |
     return GenerationRequest(chat, prompts, params, n, stream, include_usage, _field(body, "user", None))
 
 
+def _count_choices(prompts: int, n: int) -> int:
+    """``n``, checked with the number of prompts against :data:`MAX_CHOICES`."""
+    if prompts > MAX_CHOICES:
+        raise invalid(f"at most {MAX_CHOICES} prompts per request, got {prompts}", "prompt")
+    if not 1 <= n <= MAX_CHOICES // prompts:
+        raise invalid(f"n must be in 1..{MAX_CHOICES // prompts} for {prompts} prompt(s): at most "
+                      f"{MAX_CHOICES} completions per request", "n")
+    return n
+
+
 def _stop(stop: Any) -> list[str]:
     if stop is None:
         return []
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise invalid("stop must be a non-empty string or a list of them", "stop")
+    if len(stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise invalid(f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters each", "stop")
     return stop
 
 

@@ -13,8 +13,8 @@ from minillm.cli import UsageError
 from minillm.model import GPT
 from minillm.tokenizer import Tokenizer, get_tokenizer
 from server.config import ServerConfig, build_parser, env_name, parse_args
-from server.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, MAX_CHOICES, GenerationRequest, ModelCard, Responses,
-                             chat_prompt, parse_chat, parse_completion)
+from server.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, MAX_CHOICES, MAX_STOP_CHARS, MAX_STOPS, MAX_TEMPERATURE,
+                             GenerationRequest, ModelCard, Responses, chat_prompt, parse_chat, parse_completion)
 from server.wire import OpenAIError, sse
 from test_server import CONTEXT, model, run, serving  # noqa: F401 (model is a fixture)
 
@@ -178,6 +178,15 @@ COMPLETION_EDGES = {
     "n at least 1": ({"prompt": "hi", "n": 1}, {"prompt": "hi", "n": 0}, "n"),
     "temperature from 0": ({"prompt": "hi", "temperature": 0}, {"prompt": "hi", "temperature": math.nextafter(0, -1)},
                            "temperature"),
+    "temperature at most OpenAI's 2": ({"prompt": "hi", "temperature": MAX_TEMPERATURE},
+                                       {"prompt": "hi", "temperature": math.nextafter(MAX_TEMPERATURE, 3)}, "temperature"),
+    "an integer temperature a thousand digits long": ({"prompt": "hi", "temperature": 2},
+                                                      {"prompt": "hi", "temperature": 10**1000}, "temperature"),
+    "top_k at most a long": ({"prompt": "hi", "top_k": LONG.max}, {"prompt": "hi", "top_k": LONG.max + 1}, "top_k"),
+    "at most 4 stop strings": ({"prompt": "hi", "stop": ["a"] * MAX_STOPS}, {"prompt": "hi", "stop": ["a"] * (MAX_STOPS + 1)},
+                               "stop"),
+    "stop strings of bounded length": ({"prompt": "hi", "stop": ["a" * MAX_STOP_CHARS]},
+                                       {"prompt": "hi", "stop": ["a", "a" * (MAX_STOP_CHARS + 1)]}, "stop"),
     "top_p at most 1": ({"prompt": "hi", "top_p": 1.0}, {"prompt": "hi", "top_p": math.nextafter(1, 2)}, "top_p"),
     "top_p above 0": ({"prompt": "hi", "top_p": math.nextafter(0, 1)}, {"prompt": "hi", "top_p": 0.0}, "top_p"),
     "top_k from -1 (all tokens)": ({"prompt": "hi", "top_k": -1}, {"prompt": "hi", "top_k": -2}, "top_k"),
@@ -212,7 +221,7 @@ def test_choices_count_prompts_times_n(prompts: int, tok: Tokenizer) -> None:
     body = {"prompt": [[1]] * prompts, "n": n}
     assert len(parse_completion(body, tok, CARD).choices()) == MAX_CHOICES
     assert refusal(parse_completion, {**body, "n": n + 1}, tok).param == "n"
-    assert refusal(parse_completion, {"prompt": [[1]] * (MAX_CHOICES + 1)}, tok).param == "n"
+    assert refusal(parse_completion, {"prompt": [[1]] * (MAX_CHOICES + 1)}, tok).param == "prompt"  # n=1: too many prompts
 
 
 def test_the_default_max_tokens_is_cut_exactly_to_the_room(tok: Tokenizer) -> None:
@@ -287,3 +296,28 @@ def test_edges_through_the_server(model: GPT) -> None:  # noqa: F811 (the fixtur
             await error(too_big, 413)
 
     run(main())
+
+
+def test_prompts_are_counted_before_any_is_tokenized() -> None:
+    """Sixty-five long prompts must cost a count, not sixty-five encodings."""
+    class NoEncoding:
+        def encode(self, text: str) -> list[int]:
+            raise AssertionError("tokenized before counting")
+
+    with pytest.raises(OpenAIError) as err:
+        parse_completion({"prompt": ["a long story " * 100] * (MAX_CHOICES + 1)}, NoEncoding(), CARD)
+    assert (err.value.status, err.value.param) == (400, "prompt")
+    with pytest.raises(OpenAIError) as err:
+        parse_completion({"prompt": ["a", "b"], "n": MAX_CHOICES}, NoEncoding(), CARD)
+    assert (err.value.status, err.value.param) == (400, "n")
+
+
+@pytest.mark.parametrize("role", [["user"], {"r": 1}, 3, None])
+def test_a_role_that_is_not_a_string_is_a_400(role: object, tok: Tokenizer) -> None:
+    assert refusal(parse_chat, {"messages": [{"role": role, "content": "hi"}]}, tok).param == "messages"
+
+
+def test_a_huge_number_is_not_echoed_back_in_full(tok: Tokenizer) -> None:
+    for field in ("temperature", "top_k", "seed"):
+        err = refusal(parse_completion, {"prompt": "hi", field: 10**1000}, tok)
+        assert err.param == field and len(err.body()["error"]["message"]) < 200
