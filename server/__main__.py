@@ -23,7 +23,7 @@ from minillm.engine.memory import describe_cache
 from minillm.hardware import default_device
 from minillm.tokenizer import get_tokenizer
 from minillm.train import load_or_train
-from server.app import create_app
+from server.app import STATE, create_app
 from server.config import ServerConfig, parse_args
 
 log = logging.getLogger("server")
@@ -110,11 +110,20 @@ async def serve(app: web.Application, config: ServerConfig, stop: asyncio.Event,
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-async def _serve_until_signalled(app: web.Application, config: ServerConfig, notes: list[str]) -> None:
-    """Serve until the first SIGINT or SIGTERM. The handlers are then removed, so a second
-    Ctrl+C stops at once instead of waiting out the grace period."""
+async def _serve_until_signalled(app: web.Application, config: ServerConfig, notes: list[str]) -> bool:
+    """Serve until the first SIGINT or SIGTERM, or until the engine loop crashes; True in the
+    last case. The signal handlers are removed after the first, so a second Ctrl+C stops at
+    once instead of waiting out the grace period."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    crashed = False
+
+    def on_crash() -> None:
+        nonlocal crashed
+        crashed = True
+        stop.set()
+
+    app[STATE].engine.on_crash = on_crash
 
     def on_signal() -> None:
         stop.set()
@@ -124,6 +133,7 @@ async def _serve_until_signalled(app: web.Application, config: ServerConfig, not
     for sig in SIGNALS:
         loop.add_signal_handler(sig, on_signal)
     await serve(app, config, stop, lambda port: print(banner(config, port, *notes), flush=True))
+    return crashed
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -134,9 +144,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes = [prepare_decode(engine), memory_line(engine)]
         for note in notes:
             log.info(note)
-        asyncio.run(_serve_until_signalled(create_app(engine, config), config, notes))
+        crashed = asyncio.run(_serve_until_signalled(create_app(engine, config), config, notes))
     finally:
         engine.close()  # a tensor-parallel model's workers
+    if crashed:  # a live process answering 500 for ever helps nobody: exit, and let a supervisor restart it
+        log.error("the engine loop crashed (see the traceback above); exiting")
+        return 1
     return 0
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import time
 import uuid
@@ -52,6 +53,7 @@ class State:
     card: ModelCard
     tokenizer: Tokenizer
     api_key: str | None
+    stall_timeout: float = 60.0
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -65,7 +67,8 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> web.Application:
     async_engine = AsyncEngine(engine, config.max_queue)
     card = ModelCard(config.served_model_name, engine.model.cfg.context_length, engine.model.cfg.vocab_size)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[errors, auth])
-    app[STATE] = state = State(async_engine, Metrics(async_engine), card, engine.tokenizer, config.api_key)
+    app[STATE] = state = State(async_engine, Metrics(async_engine), card, engine.tokenizer, config.api_key,
+                               config.stall_timeout)
     state.metrics.show_memory(engine)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -128,8 +131,8 @@ async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     /metrics stay open for load balancers and Prometheus, as in vLLM."""
     key = request.app[STATE].api_key
     if key is not None and request.path.startswith("/v1"):
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        given = request.headers.get("Authorization", "")  # raw non-ASCII bytes arrive as surrogates
+        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {key}".encode()):
             raise OpenAIError(401, "missing or incorrect API key", "invalid_request_error", None, "invalid_api_key")
     return await handler(request)
 
@@ -143,9 +146,15 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while the engine loop runs and takes work; 503 otherwise, so a load balancer stops
-    sending requests to a server that is stopping or broken."""
-    engine = request.app[STATE].engine
+    """200 while the engine loop runs, takes work and keeps stepping; 503 otherwise, so a load
+    balancer stops sending requests to a server that is stopping, broken or wedged (a step
+    running past ``--stall-timeout``: the loop's heartbeat is its steps' completions)."""
+    state = request.app[STATE]
+    engine, stalled = state.engine, state.engine.stalled_for()
+    if stalled > state.stall_timeout:
+        body = {"status": "stalled", "detail": f"an engine step has run for {stalled:.0f} s "
+                                               f"(--stall-timeout {state.stall_timeout:g} s)"}
+        return web.json_response(body, status=503)
     ok = engine.alive and engine.accepting
     return web.json_response({"status": "ok" if ok else "unavailable"}, status=200 if ok else 503)
 
@@ -204,9 +213,21 @@ def as_openai_error(err: Exception) -> OpenAIError:
 
 
 async def read_json(request: web.Request) -> object:
+    """The body as JSON, or a 4xx: a charset Python does not know (415), bytes that are not
+    that charset, text that is not JSON, or JSON nested too deeply to parse (400)."""
+    body = await request.read()  # bounded by client_max_size (413 past it)
+    charset = request.charset or "utf-8"
     try:
-        return await request.json()
-    except ValueError as err:  # bad JSON, or bytes that are not UTF-8
+        text = body.decode(charset)
+    except LookupError:
+        raise OpenAIError(415, f"unsupported charset {charset!r}: send UTF-8", "invalid_request_error") from None
+    except UnicodeDecodeError as err:
+        raise invalid(f"the request body is not valid {charset}: {err}") from None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise invalid("the request body is JSON nested too deeply") from None
+    except ValueError as err:  # not JSON, or an integer past Python's digit limit
         raise invalid(f"the request body is not valid JSON: {err}") from None
 
 

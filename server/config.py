@@ -27,7 +27,8 @@ class ServerConfig:
     ``max_queue`` bounds the engine's waiting queue: a request arriving when that many are
     already waiting is answered 429 at once, because queueing it would only make every
     client wait longer. ``shutdown_grace`` is how long in-flight requests may run after a
-    SIGTERM before they are aborted.
+    SIGTERM before they are aborted. ``stall_timeout``: a step running longer than this (a
+    wedged kernel, a dead tensor-parallel worker) turns ``/health`` to 503.
 
     ``memory_budget`` is the whole server's memory (the engine's ``memory_budget``: on a GPU
     its device memory, on a CPU the process's resident set); ``kv_cache_memory`` sizes the KV
@@ -50,6 +51,7 @@ class ServerConfig:
     log_level: str = "info"
     max_body_bytes: int = 1 << 20
     shutdown_grace: float = 30.0
+    stall_timeout: float = 60.0
     tensor_parallel_size: int = 1
     attention: str = "torch"
     speculative_draft: str | None = None
@@ -62,6 +64,8 @@ class ServerConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
+        if not self.stall_timeout > 0:
+            raise ValueError(f"stall_timeout must be > 0 seconds, got {self.stall_timeout}")
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
         if self.api_key == "":
@@ -143,6 +147,7 @@ FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     ("--log-level", str.lower, "debug | info | warning | error"),
     ("--max-body-bytes", _bytes, "largest request body accepted (413 beyond), e.g. 1MiB"),
     ("--shutdown-grace", float, "seconds in-flight requests may finish after SIGTERM"),
+    ("--stall-timeout", float, "seconds one engine step may run before /health answers 503"),
     ("--tensor-parallel-size", int, "split the model over N processes (N must divide its attention heads; "
                                     "one GPU each on CUDA)"),
     ("--attention", str.lower, "torch | torch-loop (chapter 8's one-sequence-at-a-time decode) | triton "

@@ -14,7 +14,11 @@ and the two sides talk through two one-way channels:
   queue of the HTTP request waiting for it.
 
 A failed step fails only the requests that were in its batch (their clients get an error,
-their blocks return to the pool); the loop goes on with everyone else.
+their blocks return to the pool); the loop goes on with everyone else. A request that cannot
+be admitted fails alone, whatever it raised. Only a bug in the loop itself ends it: then every
+request gets an error and ``on_crash`` runs (the server exits non-zero, so a supervisor can
+restart it, rather than answer 500 for ever). A step that never returns (a wedged kernel, a
+dead tensor-parallel worker) shows in :attr:`AsyncEngine.stalled_for`, which ``/health`` reads.
 
 Timing: every timestamp is ``time.monotonic()``. The server stamps a request's arrival when
 its handler starts and passes it to ``add_request``; the engine's ``Sequence`` stamps when it
@@ -30,10 +34,12 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 from minillm.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
+from minillm.engine.scheduler import SchedulerOutput
 from minillm.sampling import SamplingParams
 
 log = logging.getLogger("server.engine")
@@ -133,8 +139,9 @@ class AsyncEngine:
     so readers need no lock; :meth:`wait_until` waits for a snapshot with some property.
     """
 
-    def __init__(self, engine: LLMEngine, max_queue: int = 1024) -> None:
+    def __init__(self, engine: LLMEngine, max_queue: int = 1024, clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
+        self.clock = clock  # times steps for stalled_for (a test passes a fake one)
         self.max_queue = max_queue
         self.stats: EngineStats = engine.stats()
         self.accepting = True
@@ -145,6 +152,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._crashed = False
+        self.on_crash: Callable[[], None] = lambda: None  # runs on the event loop if the loop dies
+        self._step_started: float | None = None  # monotonic start of the step in progress, if any
 
     # ------------------------------------------------------------------ event-loop side
 
@@ -157,6 +166,11 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._crashed
+
+    def stalled_for(self) -> float:
+        """Seconds the step in progress has run; 0 between steps (an idle engine never stalls)."""
+        started = self._step_started  # one read: the engine thread may clear it meanwhile
+        return 0.0 if started is None else max(self.clock() - started, 0.0)
 
     def submit(self, request_id: str, prompts: list[list[int]], params: list[SamplingParams],
                arrival: float) -> RequestStream:
@@ -211,6 +225,7 @@ class AsyncEngine:
     def _fail_everyone(self) -> None:
         for stream, _ in list(self._streams.values()):
             stream.put(EngineFailure("the engine loop stopped"))
+        self.on_crash()
 
     # ------------------------------------------------------------------ engine-thread side
 
@@ -256,9 +271,14 @@ class AsyncEngine:
         try:
             for rid, prompt, params in zip(message.ids, message.prompts, message.params):
                 self.engine.add_request(rid, prompt, params, message.arrival)
-        except ValueError as err:
+        except Exception as err:  # whatever one request raises ends that request, never the loop
             self._abort(message.ids)  # the choices already queued, if any
-            self._outbox.append((message.ids[0], Rejected(str(err))))
+            if isinstance(err, ValueError):
+                self._outbox.append((message.ids[0], Rejected(str(err))))
+            else:
+                log.exception("admitting request %s failed", message.ids[0].rsplit("-", 1)[0])
+                self._outbox.append((message.ids[0], EngineFailure(f"the request could not be admitted: "
+                                                                   f"{type(err).__name__}")))
 
     def _abort(self, ids: list[str], error: Exception | None = None) -> list[str]:
         """Abort the unfinished requests among ``ids``; each gets ``error``, if one is given."""
@@ -268,21 +288,32 @@ class AsyncEngine:
         return aborted
 
     def _step(self) -> None:
+        self._step_started, previous = self.clock(), self.engine.last_step
         try:
             outputs = self.engine.step()
         except Exception as err:
-            self._fail_batch(err)
+            batch = self.engine.last_step
+            self._fail_batch(err, batch if batch is not previous else None)
             return
+        finally:
+            self._step_started = None
         self._outbox.extend((out.request_id, out) for out in outputs)
 
-    def _fail_batch(self, err: Exception) -> None:
-        """End the requests of the step that raised, and nobody else. If the batch is unknown
-        (scheduling itself failed), end every request, or the same failure would repeat."""
+    def _fail_batch(self, err: Exception, batch: SchedulerOutput | None) -> None:
+        """End the requests of the step that raised, and nobody else. Each gets the error,
+        those the step had already finished too: the step's outputs are lost, so their clients
+        would otherwise wait for a last token that never comes. If the batch is unknown
+        (scheduling itself failed, so ``last_step`` is still the previous step's), end every
+        request, or the same failure would repeat."""
         log.exception("an engine step failed; ending the requests in its batch")
-        error = EngineFailure(f"the engine failed while generating: {type(err).__name__}: {err}")
-        batch = self.engine.last_step
-        if not self._abort([chunk.seq.request_id for chunk in batch.chunks] if batch else [], error):
+        if batch is None:
+            error = EngineFailure(f"the engine failed while scheduling: {type(err).__name__}: {err}")
             self._abort(self.engine.unfinished_request_ids, error)
+            return
+        error = EngineFailure(f"the engine failed while generating: {type(err).__name__}: {err}")
+        ids = list(dict.fromkeys(chunk.seq.request_id for chunk in batch.chunks))
+        self._abort(ids)
+        self._outbox.extend((rid, error) for rid in ids)
 
     def publish(self) -> None:
         """Hand this pass's outputs and a fresh stats snapshot to the event loop, in one wake-up."""
