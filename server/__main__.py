@@ -1,10 +1,11 @@
 """``python -m server``: load a model, start the engine loop, serve until SIGINT or SIGTERM.
 
 Shutdown is graceful, in this order: the signal sets an event; the server stops listening
-and answers 503 to new requests on open connections; requests in flight get
-``--shutdown-grace`` seconds to finish their streams; whatever is still running is then
-cancelled, which aborts it in the engine; the engine thread stops; the process exits 0.
-A second Ctrl+C skips the wait.
+and answers 503 to new requests on open connections, and at once to requests still queued
+in the engine (they would only wait out the grace for a slot); requests already running get
+``--shutdown-grace`` seconds to finish their streams; whatever is still running just before
+that ends with an error event and ``[DONE]`` (a 503 if nothing was sent yet); the engine
+thread stops; the process exits 0. A second Ctrl+C skips the wait.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from minillm.tokenizer import get_tokenizer
 from minillm.train import load_or_train
 from server.app import STATE, create_app
 from server.config import ServerConfig, parse_args
+from server.connections import connection_room, limit_connections
 
 log = logging.getLogger("server")
 
@@ -94,9 +96,12 @@ async def serve(app: web.Application, config: ServerConfig, stop: asyncio.Event,
                 on_ready: Callable[[int], None] = lambda port: None) -> None:
     """Serve ``app`` until ``stop`` is set, then shut down gracefully (module docstring).
     ``on_ready`` gets the port actually bound (``--port 0`` picks a free one)."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=config.shutdown_grace)
+    # lingering_time: how long aiohttp reads (and drops) the rest of a body it refused before it
+    # closes; like the body itself, that gets --client-timeout, not aiohttp's 10 s
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=config.shutdown_grace,
+                           keepalive_timeout=config.keep_alive_timeout, lingering_time=config.client_timeout)
     await runner.setup()
+    limit_connections(runner.server, connection_room(config.max_connections))
     try:
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()

@@ -18,6 +18,8 @@ and total time as the handler saw them (from arrival, ``time.monotonic()``), fin
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import hmac
 import json
 import logging
@@ -35,13 +37,15 @@ from server.dashboard import add_dashboard
 from server.engine_loop import AsyncEngine, EngineFailure, Event, QueueFull, Rejected, RequestStream, ShuttingDown
 from server.metrics import CONTENT_TYPE, Metrics
 from server.protocol import GenerationRequest, ModelCard, Responses, models_list, parse_chat, parse_completion, usage
-from server.wire import OpenAIError, invalid, sse
+from server.wire import OpenAIError, invalid, sse, write_within
 
 access_log = logging.getLogger("server.access")
 log = logging.getLogger("server")
 
 RETRY_AFTER_SECONDS = 1
 CLIENT_GONE = 499  # nginx's status for "the client closed the connection", for the access log
+OPEN_PATHS = frozenset({"/health"})  # what a load balancer probes: never behind the API key
+CUT_MARGIN_S = 0.5  # streams are ended this long (at most half the grace) before aiohttp's grace runs out
 
 
 @dataclass
@@ -54,7 +58,10 @@ class State:
     tokenizer: Tokenizer
     api_key: str | None
     stall_timeout: float = 60.0
+    client_timeout: float = 30.0
+    shutdown_grace: float = 30.0
     created: int = field(default_factory=lambda: int(time.time()))
+    cutoff: asyncio.TimerHandle | None = None  # set at shutdown: ends what the grace did not
 
 
 STATE = web.AppKey("state", State)
@@ -68,7 +75,7 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> web.Application:
     card = ModelCard(config.served_model_name, engine.model.cfg.context_length, engine.model.cfg.vocab_size)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[errors, auth])
     app[STATE] = state = State(async_engine, Metrics(async_engine), card, engine.tokenizer, config.api_key,
-                               config.stall_timeout)
+                               config.stall_timeout, config.client_timeout, config.shutdown_grace)
     state.metrics.show_memory(engine)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -87,11 +94,21 @@ async def _start_engine(app: web.Application) -> None:
 
 
 async def _stop_accepting(app: web.Application) -> None:
-    app[STATE].engine.accepting = False
+    """Shutdown begins (aiohttp then waits up to the grace for handlers to finish): refuse new
+    work, answer 503 to what is still queued, and end what is still running just before the
+    grace is over, so each of those streams says why it ends."""
+    state = app[STATE]
+    state.engine.accepting = False
+    state.engine.refuse_queued()
+    delay = state.shutdown_grace - min(CUT_MARGIN_S, state.shutdown_grace / 2)
+    state.cutoff = asyncio.get_running_loop().call_later(delay, state.engine.cut_off)
 
 
 async def _stop_engine(app: web.Application) -> None:
-    await app[STATE].engine.stop()
+    state = app[STATE]
+    if state.cutoff is not None:
+        state.cutoff.cancel()
+    await state.engine.stop()
 
 
 # ----------------------------------------------------------------------------- middleware
@@ -127,14 +144,33 @@ def _error_type(status: int) -> str:
 
 @web.middleware
 async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """With ``--api-key``, the /v1 routes want ``Authorization: Bearer <key>``; /health and
-    /metrics stay open for load balancers and Prometheus, as in vLLM."""
+    """With ``--api-key``, every route but /health wants the key: the API, and also /metrics
+    (which shows the traffic) and the dashboard. Clients send ``Authorization: Bearer <key>``
+    (Prometheus can be configured to). A browser cannot add that header to a page it opens, so
+    outside /v1 a refusal also offers HTTP Basic auth: the browser asks for a name and password
+    (the key), then sends them with the page's own requests (its event stream, its fetches)."""
     key = request.app[STATE].api_key
-    if key is not None and request.path.startswith("/v1"):
-        given = request.headers.get("Authorization", "")  # raw non-ASCII bytes arrive as surrogates
-        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {key}".encode()):
-            raise OpenAIError(401, "missing or incorrect API key", "invalid_request_error", None, "invalid_api_key")
+    if key is not None and request.path not in OPEN_PATHS and not has_key(request.headers.get("Authorization", ""), key):
+        challenge = "Bearer" if request.path.startswith("/v1") else 'Basic realm="minillm", charset="UTF-8"'
+        raise OpenAIError(401, "missing or incorrect API key", "invalid_request_error", None, "invalid_api_key",
+                          {"WWW-Authenticate": challenge})
     return await handler(request)
+
+
+def has_key(authorization: str, key: str) -> bool:
+    """Whether an ``Authorization`` header carries ``key``: as a bearer token, or as the password
+    of HTTP Basic credentials (any user name). Compared in constant time; raw non-ASCII bytes
+    arrive as surrogates, and are compared as those bytes."""
+    scheme, _, credentials = authorization.partition(" ")
+    given = credentials.strip().encode("utf-8", "surrogateescape")
+    if scheme.lower() == "basic":
+        try:
+            given = base64.b64decode(given, validate=True).partition(b":")[2]
+        except (binascii.Error, ValueError):
+            return False
+    elif scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(given, key.encode())
 
 
 # ----------------------------------------------------------------------------- small routes
@@ -214,8 +250,16 @@ def as_openai_error(err: Exception) -> OpenAIError:
 
 async def read_json(request: web.Request) -> object:
     """The body as JSON, or a 4xx: a charset Python does not know (415), bytes that are not
-    that charset, text that is not JSON, or JSON nested too deeply to parse (400)."""
-    body = await request.read()  # bounded by client_max_size (413 past it)
+    that charset, text that is not JSON, or JSON nested too deeply to parse (400); or a body
+    that takes more than ``--client-timeout`` to arrive (408: a client dribbling bytes holds a
+    connection and a handler for as long as it likes otherwise)."""
+    timeout = request.app[STATE].client_timeout
+    try:
+        async with asyncio.timeout(timeout):
+            body = await request.read()  # bounded by client_max_size (413 past it)
+    except TimeoutError:
+        raise OpenAIError(408, f"the request body did not arrive within {timeout:g} s", "invalid_request_error",
+                          None, "request_timeout", {"Connection": "close"}) from None
     charset = request.charset or "utf-8"
     try:
         text = body.decode(charset)
@@ -311,23 +355,27 @@ async def _stream(request: web.Request, events: AsyncIterator[Event], responses:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": record.request_id})
     await response.prepare(request)
+    timeout = request.app[STATE].client_timeout
+
+    async def send(data: dict | str | None) -> None:  # None: the end of the stream
+        await write_within(request, response, None if data is None else sse(data), timeout)
+
     started: set[int] = set()
     try:
         try:
             async for event in events:
                 out = event.output
                 if out.new_text or out.finished:
-                    chunk = responses.chunk(event.index, out.new_text, out.finish_reason,
-                                            first=event.index not in started)
-                    await response.write(sse(chunk))
+                    await send(responses.chunk(event.index, out.new_text, out.finish_reason,
+                                               first=event.index not in started))
                     started.add(event.index)
             if responses.include_usage:
-                await response.write(sse(responses.usage_chunk(usage(record.prompt_tokens, record.completion_tokens))))
+                await send(responses.usage_chunk(usage(record.prompt_tokens, record.completion_tokens)))
         except OpenAIError as err:
             record.status = err.status
-            await response.write(sse(err.body()))
-        await response.write(sse("[DONE]"))
-        await response.write_eof()
-    except ConnectionResetError:  # the client left between two writes
+            await send(err.body())
+        await send("[DONE]")
+        await send(None)
+    except ConnectionResetError:  # the client left between two writes, or stopped reading
         record.status = CLIENT_GONE
     return response

@@ -30,6 +30,11 @@ class ServerConfig:
     SIGTERM before they are aborted. ``stall_timeout``: a step running longer than this (a
     wedged kernel, a dead tensor-parallel worker) turns ``/health`` to 503.
 
+    Slow clients: a connection must send a request's head within ``keep_alive_timeout`` of
+    opening (or of its previous answer), else it is closed; a request's body must arrive, and
+    each write of a stream must leave, within ``client_timeout``; at most ``max_connections``
+    sockets are open at once (lowered, with a warning, to what the descriptor limit allows).
+
     ``memory_budget`` is the whole server's memory (the engine's ``memory_budget``: on a GPU
     its device memory, on a CPU the process's resident set); ``kv_cache_memory`` sizes the KV
     cache alone. Both size the cache, so giving both is refused, naming both flags.
@@ -52,6 +57,9 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     shutdown_grace: float = 30.0
     stall_timeout: float = 60.0
+    keep_alive_timeout: float = 15.0
+    client_timeout: float = 30.0
+    max_connections: int = 2048
     tensor_parallel_size: int = 1
     attention: str = "torch"
     speculative_draft: str | None = None
@@ -64,8 +72,11 @@ class ServerConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
-        if not self.stall_timeout > 0:
-            raise ValueError(f"stall_timeout must be > 0 seconds, got {self.stall_timeout}")
+        for name in ("stall_timeout", "keep_alive_timeout", "client_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
         if self.api_key == "":
@@ -142,12 +153,17 @@ FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     ("--max-num-seqs", int, "most requests running at once"),
     ("--max-num-batched-tokens", int, "most tokens computed in one engine step"),
     ("--max-queue", int, "waiting requests beyond which new ones get 429"),
-    ("--api-key", str, "require `Authorization: Bearer KEY` on /v1 routes"),
+    ("--api-key", str, "require the key on every route but /health: `Authorization: Bearer KEY`, or from a "
+                       "browser (the dashboard) HTTP Basic auth with the key as the password"),
     ("--served-model-name", str, "the model name clients send and /v1/models lists"),
     ("--log-level", str.lower, "debug | info | warning | error"),
     ("--max-body-bytes", _bytes, "largest request body accepted (413 beyond), e.g. 1MiB"),
     ("--shutdown-grace", float, "seconds in-flight requests may finish after SIGTERM"),
     ("--stall-timeout", float, "seconds one engine step may run before /health answers 503"),
+    ("--keep-alive-timeout", float, "seconds a connection may stay idle, or take to send a request's headers"),
+    ("--client-timeout", float, "seconds a request's body may take to arrive (408 beyond), and one write of a "
+                                "stream to leave (the stream is then cut: the client stopped reading)"),
+    ("--max-connections", int, "most open connections; more are answered 503 and closed"),
     ("--tensor-parallel-size", int, "split the model over N processes (N must divide its attention heads; "
                                     "one GPU each on CUDA)"),
     ("--attention", str.lower, "torch | torch-loop (chapter 8's one-sequence-at-a-time decode) | triton "

@@ -83,6 +83,15 @@ class _Abort:
     ids: list[str]
 
 
+@dataclass
+class _Shutdown:
+    """End requests because the server is stopping: with ``groups`` (each request's choices),
+    those requests whose choices are all still queued, never scheduled; without, every
+    unfinished request (the grace period is over)."""
+
+    groups: list[list[str]] | None = None
+
+
 _STOP = object()
 
 
@@ -222,6 +231,18 @@ class AsyncEngine:
             if stream is not None:
                 stream.put(item if isinstance(item, Exception) else Event(index, item))
 
+    def refuse_queued(self) -> None:
+        """Shutting down: every request still queued and never scheduled gets ShuttingDown
+        (503) now, rather than wait out the grace period for a slot it may never get. The
+        engine thread decides what is still queued, so a request that starts meanwhile runs on."""
+        groups = list({id(stream): stream.ids for stream, _ in self._streams.values()}.values())
+        self._inbox.put(_Shutdown(groups))
+
+    def cut_off(self) -> None:
+        """The grace period is over: every unfinished request gets ShuttingDown, so a stream
+        ends with an error event and ``[DONE]`` instead of a bare close of its connection."""
+        self._inbox.put(_Shutdown())
+
     def _fail_everyone(self) -> None:
         for stream, _ in list(self._streams.values()):
             stream.put(EngineFailure("the engine loop stopped"))
@@ -254,10 +275,11 @@ class AsyncEngine:
                 return True
             block = False
             if message is _STOP:
-                error = ShuttingDown("the server shut down before this request finished")
-                self._abort(self.engine.unfinished_request_ids, error)
+                self._shut_down(_Shutdown())
                 return False
-            if isinstance(message, _Abort):
+            if isinstance(message, _Shutdown):
+                self._shut_down(message)
+            elif isinstance(message, _Abort):
                 self._abort(message.ids)
             else:
                 self._add(message)
@@ -279,6 +301,17 @@ class AsyncEngine:
                 log.exception("admitting request %s failed", message.ids[0].rsplit("-", 1)[0])
                 self._outbox.append((message.ids[0], EngineFailure(f"the request could not be admitted: "
                                                                    f"{type(err).__name__}")))
+
+    def _shut_down(self, message: _Shutdown) -> None:
+        if message.groups is None:
+            error = ShuttingDown("the server shut down before this request finished")
+            self._abort(self.engine.unfinished_request_ids, error)
+            return
+        queued = self.engine.scheduler.queued_request_ids
+        error = ShuttingDown("the server is shutting down; this request had not started")
+        for ids in message.groups:
+            if all(rid in queued for rid in ids):
+                self._abort(ids, error)
 
     def _abort(self, ids: list[str], error: Exception | None = None) -> list[str]:
         """Abort the unfinished requests among ``ids``; each gets ``error``, if one is given."""

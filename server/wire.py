@@ -1,12 +1,14 @@
 """What every HTTP program here speaks on the wire: OpenAI's error shape and server-sent events.
 
 The server, the dashboard and the router share these, and the router is a plain HTTP proxy,
-so this module imports nothing but the standard library.
+so this module imports nothing but the standard library (aiohttp's objects are only passed in).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import Any
 
 
 class OpenAIError(Exception):
@@ -31,3 +33,21 @@ def sse(data: dict | str) -> bytes:
     """One server-sent event: ``data: <json>`` and a blank line."""
     text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return f"data: {text}\n\n".encode()
+
+
+async def write_within(request: Any, response: Any, data: bytes | None, timeout: float) -> None:
+    """Write one piece of a streamed ``response`` (None: its end, ``write_eof``, which waits for
+    the socket too), or give up on a client that stopped reading.
+
+    aiohttp's ``write`` waits while the socket's buffers are full, so a client that opens a
+    stream and never reads would hold its handler (and, on the server, its request's KV blocks)
+    for ever. Past ``timeout`` the connection is aborted (closing would wait to flush the same
+    unread bytes) and ``ConnectionResetError`` raised: to the caller, the client has left.
+    """
+    try:
+        async with asyncio.timeout(timeout):
+            await (response.write_eof() if data is None else response.write(data))
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
+        raise ConnectionResetError(f"the client read nothing for {timeout:g} s") from None

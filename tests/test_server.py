@@ -7,6 +7,7 @@ Each test builds a tiny random model's engine with a small KV pool and serves it
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import itertools
 import json
@@ -305,7 +306,17 @@ def test_api_key(model: GPT) -> None:
             ok = await client.post("/v1/completions", json=body, headers={"Authorization": "Bearer sekrit"})
             assert ok.status == 200
             assert (await client.get("/health")).status == 200  # probes need no key
-            assert (await client.get("/metrics")).status == 200
+            basic = "Basic " + base64.b64encode(b"anyone:sekrit").decode()
+            wrong = "Basic " + base64.b64encode(b"sekrit:wrong").decode()
+            for path in ("/metrics", "/", "/dashboard/events", "/dashboard/static/dashboard.js"):
+                refused = await client.get(path)  # a browser is offered Basic auth, the key as the password
+                assert refused.status == 401 and refused.headers["WWW-Authenticate"].startswith("Basic")
+                assert (await client.get(path, headers={"Authorization": wrong})).status == 401
+            for authorization in (basic, "Bearer sekrit", "bearer  sekrit"):
+                assert (await client.get("/metrics", headers={"Authorization": authorization})).status == 200
+            assert (await client.delete("/dashboard/traffic")).status == 401
+            assert (await client.get("/v1/models")).headers["WWW-Authenticate"] == "Bearer"
+            assert (await client.get("/v1/models", headers={"Authorization": basic})).status == 200
 
     run(main())
 

@@ -183,26 +183,37 @@ def test_a_client_that_leaves_while_queued_is_dropped_from_the_queue(model: GPT,
         asyncio.run(asyncio.wait_for(main(live), 30))
 
 
-def test_shutdown_aborts_what_outlives_the_grace_period(model: GPT, monkeypatch) -> None:
-    engine = small_engine(model)
+def test_shutdown_refuses_the_queue_at_once_and_ends_what_outlives_the_grace(model: GPT, monkeypatch) -> None:
+    """At SIGTERM a queued request gets its 503 at once, not after the grace period; a stream
+    still running when the grace runs out ends with an error event and ``[DONE]``, so its
+    client knows the answer is cut short, instead of a bare close of the connection."""
+    engine = LLMEngine(model, EngineConfig(num_blocks=64, block_size=8, max_num_seqs=1), get_tokenizer())
     gate = Gate(engine, monkeypatch)  # one step and no more: the stream outlives any grace period
+    grace = 3.0
 
-    async def stream_until_shutdown(live: Live) -> list[bytes]:
+    async def main(live: Live) -> tuple[list[bytes], int, float]:
         lines = []
         async with aiohttp.ClientSession() as session:
             body = {"prompt": "Once", "max_tokens": 120, "temperature": 0, "ignore_eos": True, "stream": True}
             gate.allow(1)  # greedy: the same first token every run, one with text, so a first line comes
             async with session.post(f"{live.url}/v1/completions", json=body) as response:
                 lines.append(await response.content.readline())
+                queued = asyncio.create_task(session.post(f"{live.url}/v1/completions", json={"prompt": "The dog"}))
+                await live.wait_until(lambda s: s.waiting == 1)  # behind the stream, which holds the only seat
+                stopped = time.monotonic()
                 live.stop()
-                with contextlib.suppress(aiohttp.ClientPayloadError):
-                    async for line in response.content:
-                        lines.append(line)
-        return lines
+                refused = await queued
+                waited = time.monotonic() - stopped
+                assert (await refused.json())["error"]["code"] == "shutting_down"
+                lines += [line async for line in response.content]
+        return lines, refused.status, waited
 
-    with live_server(engine, shutdown_grace=0.3) as live:
-        lines = asyncio.run(asyncio.wait_for(stream_until_shutdown(live), 30))
-    assert lines[0].startswith(b"data: ") and b"data: [DONE]\n" not in lines  # cut off, not finished
+    with live_server(engine, shutdown_grace=grace) as live:
+        lines, status, waited = asyncio.run(asyncio.wait_for(main(live), 30))
+    assert status == 503 and waited < grace / 2
+    events = [line for line in lines if line.startswith(b"data: ")]
+    assert events[0].startswith(b'data: {"id"') and events[-1] == b"data: [DONE]\n"
+    assert json.loads(events[-2][6:])["error"]["code"] == "shutting_down"
     engine_loop = live.app[STATE].engine
     stats = engine_loop.stats
     assert (stats.kv_blocks_used, stats.running, stats.waiting) == (0, 0, 0)

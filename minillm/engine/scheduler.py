@@ -331,6 +331,12 @@ class Scheduler:
         return list(self._requests)
 
     @property
+    def queued_request_ids(self) -> set[str]:
+        """The waiting requests that were never scheduled: nothing computed, nothing sent (a
+        preempted request is waiting too, but its client has seen tokens)."""
+        return {seq.request_id for seq in self.waiting if seq.status is SequenceStatus.WAITING}
+
+    @property
     def num_running(self) -> int:
         return len(self.running)
 
