@@ -1,6 +1,7 @@
 """The HTTP side: aiohttp routes that speak OpenAI's API over the engine loop.
 
-A completion request goes: read the body (413 past the size limit) -> check and tokenize it
+A completion request goes: read the body (413 past the size limit, 408 if it takes longer than
+``--client-timeout``) -> check and tokenize it
 (:mod:`server.protocol`, 400/404 on anything wrong) -> :meth:`AsyncEngine.submit` -> wait
 until the engine accepts it (429 when the waiting queue is full, 503 while shutting down)
 -> answer with one JSON body, or stream server-sent events as tokens arrive.
@@ -8,7 +9,8 @@ until the engine accepts it (429 when the waiting queue is full, 503 while shutt
 Every handler that submitted work closes its stream in a ``finally``. aiohttp cancels a
 handler whose client disconnects (``handler_cancellation=True``), so a client that walks
 away mid-stream lands in that ``finally`` at once, its choices are aborted before the next
-engine step, and their KV blocks go back to the pool.
+engine step, and their KV blocks go back to the pool. A client that stays but stops reading
+is treated the same once a write has waited ``--client-timeout`` for it.
 
 Each completion request ends with one access-log line (logger ``server.access``) in
 ``key=value`` form: request id, status, prompt and completion tokens, time to first output

@@ -20,6 +20,10 @@ request gets an error and ``on_crash`` runs (the server exits non-zero, so a sup
 restart it, rather than answer 500 for ever). A step that never returns (a wedged kernel, a
 dead tensor-parallel worker) shows in :attr:`AsyncEngine.stalled_for`, which ``/health`` reads.
 
+Shutdown comes in three messages: :meth:`AsyncEngine.refuse_queued` when it begins (the
+requests still queued get 503 at once), :meth:`AsyncEngine.cut_off` when the grace period is
+nearly over (the rest end with an error their streams can report), and ``stop``.
+
 Timing: every timestamp is ``time.monotonic()``. The server stamps a request's arrival when
 its handler starts and passes it to ``add_request``; the engine's ``Sequence`` stamps when it
 was first scheduled, each token, and the finish, on the same clock. A request's last
