@@ -19,8 +19,9 @@ from test_server_live import Live, live_server, small_engine, tiny_model
 
 from minillm.engine.llm_engine import EngineStats
 from minillm.model import GPT
-from server.dashboard import DASHBOARD, MAX_TRAFFIC_RATE, RATE_WINDOW_S, TICK_S, StatsFeed, histogram_quantile
+from server.dashboard import FEED, RATE_WINDOW_S, TICK_S, StatsFeed, histogram_quantile
 from server.metrics import Metrics
+from server.traffic_panel import MAX_TRAFFIC_RATE
 
 @pytest.fixture(scope="module")
 def model() -> GPT:
@@ -84,7 +85,7 @@ def test_the_event_stream_ticks_and_ends_at_shutdown(model: GPT) -> None:
 
     async def watch_through_shutdown(live: Live) -> tuple[list[dict], bool]:
         events = await first_events(live, 3)
-        feed = live.app[DASHBOARD].feed
+        feed = live.app[FEED]
         async with aiohttp.ClientSession() as session:
             traffic = {"request_rate": 20, "input_len": 8, "output_len": 100, "duration": 60}
             async with session.post(f"{live.url}/dashboard/traffic", json=traffic) as response:
