@@ -17,6 +17,9 @@ What a snapshot holds, and where it comes from:
   ``histogram_quantile`` reads them. These are server-side and bucketed: a percentile is
   only as exact as its bucket, unlike the load generator's exact client-side ones.
 
+A page costs the server little: each snapshot is encoded as an event once, and every page is
+sent those same bytes.
+
 The traffic panel (``POST``/``DELETE /dashboard/traffic``, :mod:`server.traffic_panel`) runs
 the load generator inside the server against its own address, bounded, so a visitor can push
 the server past its knee and watch latency climb; it is off on a server with ``--api-key``.
@@ -83,7 +86,8 @@ class Counters:
 
 
 class StatsFeed:
-    """Samples the server every ``TICK_S`` and hands each snapshot to every open page.
+    """Samples the server every ``TICK_S`` and hands each snapshot to every open page, as one
+    server-sent event encoded once: its ``history`` holds the events' bytes, not the snapshots.
     (``clock`` times the snapshots; a test passes a fake one to check the rates exactly.)"""
 
     def __init__(self, engine: AsyncEngine, metrics: Metrics, traffic: Callable[[], dict],
@@ -91,7 +95,7 @@ class StatsFeed:
         self._engine, self._metrics, self._traffic, self._clock = engine, metrics, traffic, clock
         self._bounds = {"ttft": buckets(metrics.ttft)[0], "itl": buckets(metrics.itl)[0]}
         self._counters: deque[Counters] = deque(maxlen=int(LATENCY_WINDOW_S / TICK_S) + 1)
-        self.history: deque[dict] = deque(maxlen=HISTORY)
+        self.history: deque[bytes] = deque(maxlen=HISTORY)
         self._ticks = 0
         self._changed = asyncio.Condition()
         self._task: asyncio.Task | None = None
@@ -113,17 +117,18 @@ class StatsFeed:
 
     async def _run(self) -> None:
         while True:
-            self.history.append(self.snapshot())
+            self.history.append(sse(self.snapshot()))
             self._ticks += 1
             async with self._changed:
                 self._changed.notify_all()
             await asyncio.sleep(TICK_S)
 
-    async def updates(self) -> AsyncIterator[dict]:
-        """The recent history, then each new snapshot as it is taken, until the feed closes."""
+    async def updates(self) -> AsyncIterator[bytes]:
+        """The recent history, then each new snapshot as it is taken, until the feed closes:
+        each an encoded event, the same bytes object for every page."""
         seen = self._ticks
-        for snapshot in list(self.history):
-            yield snapshot
+        for event in list(self.history):
+            yield event
         while not self.closed:
             async with self._changed:
                 await self._changed.wait_for(lambda: self._ticks > seen or self.closed)
@@ -191,12 +196,13 @@ async def index(request: web.Request) -> web.FileResponse:
 
 
 async def events(request: web.Request) -> web.StreamResponse:
-    """Server-sent events: one JSON snapshot per tick until the page leaves or the server stops."""
+    """Server-sent events: the history, then one snapshot per tick until the page leaves or
+    the server stops."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     with contextlib.suppress(ConnectionResetError):  # the page went away between two writes
         async with contextlib.aclosing(request.app[FEED].updates()) as updates:
-            async for snapshot in updates:
-                await response.write(sse(snapshot))
+            async for event in updates:
+                await response.write(event)
         await response.write_eof()
     return response

@@ -19,9 +19,12 @@ from test_server_live import Live, live_server, small_engine, tiny_model
 
 from minillm.engine.llm_engine import EngineStats
 from minillm.model import GPT
+from server import dashboard
 from server.dashboard import FEED, RATE_WINDOW_S, TICK_S, StatsFeed, histogram_quantile
 from server.metrics import Metrics
 from server.traffic_panel import MAX_TRAFFIC_RATE
+from server.wire import sse
+
 
 @pytest.fixture(scope="module")
 def model() -> GPT:
@@ -38,15 +41,19 @@ def test_histogram_quantiles_interpolate_inside_buckets() -> None:
 
 
 async def first_events(live: Live, count: int) -> list[dict]:
-    events = []
     async with aiohttp.ClientSession() as session:
-        async with session.get(f"{live.url}/dashboard/events") as response:
-            assert response.headers["Content-Type"].startswith("text/event-stream")
-            async for line in response.content:
-                if line.startswith(b"data: "):
-                    events.append(json.loads(line[6:]))
-                    if len(events) == count:
-                        return events
+        return await read_events(session, live, count)
+
+
+async def read_events(session: aiohttp.ClientSession, live: Live, count: int) -> list[dict]:
+    events = []
+    async with session.get(f"{live.url}/dashboard/events") as response:
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        async for line in response.content:
+            if line.startswith(b"data: "):
+                events.append(json.loads(line[6:]))
+                if len(events) == count:
+                    return events
     return events
 
 
@@ -124,6 +131,24 @@ def test_traffic_is_bounded_and_off_behind_an_api_key(model: GPT) -> None:
     with live_server(small_engine(model), api_key="sekrit") as live:
         status, body = asyncio.run(asyncio.wait_for(post(live, ok), 10))
         assert status == 403 and body["error"]["code"] == "traffic_disabled"
+
+
+def test_each_snapshot_is_encoded_once_however_many_pages_watch(model: GPT, monkeypatch) -> None:
+    """Four pages, six events each (the history, then new ticks): every snapshot the feed's
+    encoder saw is a different one, so no page had its own copy of an event encoded."""
+    encoded: list[dict] = []
+    monkeypatch.setattr(dashboard, "sse", lambda data: encoded.append(data) or sse(data))
+    monkeypatch.setattr(dashboard, "TICK_S", 0.05)
+
+    async def watch(live: Live) -> list[list[dict]]:
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(*(read_events(session, live, 6) for _ in range(4)))
+
+    with live_server(small_engine(model)) as live:
+        pages = asyncio.run(asyncio.wait_for(watch(live), 30))
+    times = [snapshot["t"] for snapshot in encoded]
+    assert len(times) == len(set(times))  # each snapshot encoded once
+    assert all(len(page) == 6 and {e["t"] for e in page} <= set(times) for page in pages)
 
 
 def test_the_page_in_chromium_charts_live_traffic(model: GPT, artifacts: Path) -> None:
