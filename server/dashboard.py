@@ -17,8 +17,9 @@ What a snapshot holds, and where it comes from:
   ``histogram_quantile`` reads them. These are server-side and bucketed: a percentile is
   only as exact as its bucket, unlike the load generator's exact client-side ones.
 
-A page costs the server little: each snapshot is encoded as an event once, and every page is
-sent those same bytes.
+A page costs the server little, and pages cannot cost it much: each snapshot is encoded as an
+event once, and every page is sent those same bytes; and at most ``MAX_SUBSCRIBERS`` pages
+watch at once (the next gets a 503 with ``Retry-After``).
 
 The traffic panel (``POST``/``DELETE /dashboard/traffic``, :mod:`server.traffic_panel`) runs
 the load generator inside the server against its own address, bounded, so a visitor can push
@@ -42,7 +43,7 @@ from prometheus_client import Histogram
 from server.engine_loop import AsyncEngine
 from server.metrics import Metrics
 from server.traffic_panel import add_traffic
-from server.wire import sse
+from server.wire import OpenAIError, sse
 
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -51,6 +52,8 @@ HISTORY = 240  # snapshots a page receives when it connects: two minutes
 RATE_WINDOW_S = 2.0
 LATENCY_WINDOW_S = 30.0
 QUANTILES = (0.5, 0.95, 0.99)
+MAX_SUBSCRIBERS = 64  # pages watching at once
+SUBSCRIBER_RETRY_AFTER_S = 5
 
 
 def histogram_quantile(bounds: Sequence[float], cumulative: Sequence[float], q: float) -> float | None:
@@ -96,6 +99,7 @@ class StatsFeed:
         self._bounds = {"ttft": buckets(metrics.ttft)[0], "itl": buckets(metrics.itl)[0]}
         self._counters: deque[Counters] = deque(maxlen=int(LATENCY_WINDOW_S / TICK_S) + 1)
         self.history: deque[bytes] = deque(maxlen=HISTORY)
+        self.subscribers = 0  # pages whose event stream is open (``events`` counts them)
         self._ticks = 0
         self._changed = asyncio.Condition()
         self._task: asyncio.Task | None = None
@@ -197,12 +201,25 @@ async def index(request: web.Request) -> web.FileResponse:
 
 async def events(request: web.Request) -> web.StreamResponse:
     """Server-sent events: the history, then one snapshot per tick until the page leaves or
-    the server stops."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
+    the server stops. Past ``MAX_SUBSCRIBERS`` pages a new one gets a 503 to retry later."""
+    feed = request.app[FEED]
+    if feed.subscribers >= MAX_SUBSCRIBERS:
+        raise OpenAIError(503, f"{MAX_SUBSCRIBERS} pages are watching already; retry shortly", "server_error",
+                          None, "too_many_subscribers", {"Retry-After": str(SUBSCRIBER_RETRY_AFTER_S)})
+    feed.subscribers += 1
+    try:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        await _relay(response, feed)
+        return response
+    finally:  # however the stream ends, even by the handler's cancellation when the page leaves
+        feed.subscribers -= 1
+
+
+async def _relay(response: web.StreamResponse, feed: StatsFeed) -> None:
+    """Write the feed's events to one page."""
     with contextlib.suppress(ConnectionResetError):  # the page went away between two writes
-        async with contextlib.aclosing(request.app[FEED].updates()) as updates:
+        async with contextlib.aclosing(feed.updates()) as updates:
             async for event in updates:
                 await response.write(event)
         await response.write_eof()
-    return response

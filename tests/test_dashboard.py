@@ -11,6 +11,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import aiohttp
 import pytest
@@ -55,6 +56,13 @@ async def read_events(session: aiohttp.ClientSession, live: Live, count: int) ->
                 if len(events) == count:
                     return events
     return events
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait for ``predicate`` about the server's state (kept in its own thread) to hold."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
 
 
 def test_a_snapshot_reads_its_rates_and_latencies_over_windows_of_the_feeds_clock() -> None:
@@ -149,6 +157,28 @@ def test_each_snapshot_is_encoded_once_however_many_pages_watch(model: GPT, monk
     times = [snapshot["t"] for snapshot in encoded]
     assert len(times) == len(set(times))  # each snapshot encoded once
     assert all(len(page) == 6 and {e["t"] for e in page} <= set(times) for page in pages)
+
+
+def test_pages_past_the_limit_get_a_503_until_one_leaves(model: GPT, monkeypatch) -> None:
+    monkeypatch.setattr(dashboard, "MAX_SUBSCRIBERS", 2)
+
+    async def main(live: Live) -> None:
+        feed, url = live.app[FEED], f"{live.url}/dashboard/events"
+        async with aiohttp.ClientSession() as session:
+            first, second = await session.get(url), await session.get(url)
+            async with session.get(url) as third:
+                assert (third.status, third.headers.get("Retry-After")) == (503, "5")
+                body = await third.json()
+                assert (body["error"]["type"], body["error"]["code"]) == ("server_error", "too_many_subscribers")
+            first.close()  # the page leaves: its slot is free again
+            await until(lambda: feed.subscribers == 1)
+            async with session.get(url) as fourth:
+                assert fourth.status == 200 and (await fourth.content.readline()).startswith(b"data: ")
+            second.close()
+            await until(lambda: feed.subscribers == 0)
+
+    with live_server(small_engine(model)) as live:
+        asyncio.run(asyncio.wait_for(main(live), 30))
 
 
 def test_the_page_in_chromium_charts_live_traffic(model: GPT, artifacts: Path) -> None:
