@@ -17,9 +17,11 @@ What a snapshot holds, and where it comes from:
   ``histogram_quantile`` reads them. These are server-side and bucketed: a percentile is
   only as exact as its bucket, unlike the load generator's exact client-side ones.
 
-A page costs the server little, and pages cannot cost it much: each snapshot is encoded as an
-event once, and every page is sent those same bytes; and at most ``MAX_SUBSCRIBERS`` pages
-watch at once (the next gets a 503 with ``Retry-After``).
+A page costs the server little, and no page can cost it much: each snapshot is encoded as an
+event once, and every page is sent those same bytes; at most ``MAX_SUBSCRIBERS`` pages watch
+at once (the next gets a 503 with ``Retry-After``); and a page that stops reading is cut off
+after ``WRITE_TIMEOUT_S`` on one write, instead of pinning its handler and the snapshots
+buffered for it for ever.
 
 The traffic panel (``POST``/``DELETE /dashboard/traffic``, :mod:`server.traffic_panel`) runs
 the load generator inside the server against its own address, bounded, so a visitor can push
@@ -54,6 +56,7 @@ LATENCY_WINDOW_S = 30.0
 QUANTILES = (0.5, 0.95, 0.99)
 MAX_SUBSCRIBERS = 64  # pages watching at once
 SUBSCRIBER_RETRY_AFTER_S = 5
+WRITE_TIMEOUT_S = 10.0  # one event's write to a page; longer, and the page has stopped reading
 
 
 def histogram_quantile(bounds: Sequence[float], cumulative: Sequence[float], q: float) -> float | None:
@@ -210,16 +213,25 @@ async def events(request: web.Request) -> web.StreamResponse:
     try:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        await _relay(response, feed)
+        await _relay(request, response, feed)
         return response
     finally:  # however the stream ends, even by the handler's cancellation when the page leaves
         feed.subscribers -= 1
 
 
-async def _relay(response: web.StreamResponse, feed: StatsFeed) -> None:
-    """Write the feed's events to one page."""
-    with contextlib.suppress(ConnectionResetError):  # the page went away between two writes
+async def _relay(request: web.Request, response: web.StreamResponse, feed: StatsFeed) -> None:
+    """Write the feed's events to one page. A write that takes ``WRITE_TIMEOUT_S`` means the
+    page has stopped reading and the socket's buffers are full: drop the connection, and what
+    is buffered for it, instead of waiting on it for ever."""
+    try:
         async with contextlib.aclosing(feed.updates()) as updates:
             async for event in updates:
-                await response.write(event)
-        await response.write_eof()
+                async with asyncio.timeout(WRITE_TIMEOUT_S):
+                    await response.write(event)
+        async with asyncio.timeout(WRITE_TIMEOUT_S):
+            await response.write_eof()
+    except ConnectionResetError:  # the page went away between two writes
+        pass
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()

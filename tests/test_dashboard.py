@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
@@ -175,6 +177,29 @@ def test_pages_past_the_limit_get_a_503_until_one_leaves(model: GPT, monkeypatch
             async with session.get(url) as fourth:
                 assert fourth.status == 200 and (await fourth.content.readline()).startswith(b"data: ")
             second.close()
+            await until(lambda: feed.subscribers == 0)
+
+    with live_server(small_engine(model)) as live:
+        asyncio.run(asyncio.wait_for(main(live), 30))
+
+
+def test_a_page_that_stops_reading_is_cut_off(model: GPT, monkeypatch) -> None:
+    """A client that sends its GET and never reads, with a tiny receive buffer, and snapshots
+    of 256 KiB: the socket's buffers fill within a few ticks, a write blocks, and the write
+    timeout must end the stream and free its slot."""
+    monkeypatch.setattr(dashboard, "WRITE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(dashboard, "TICK_S", 0.05)
+    monkeypatch.setattr(dashboard, "HISTORY", 4)
+    snapshot = StatsFeed.snapshot
+    monkeypatch.setattr(StatsFeed, "snapshot", lambda self: {**snapshot(self), "padding": "x" * 2**18})
+
+    async def main(live: Live) -> None:
+        feed, address = live.app[FEED], urlsplit(live.url)
+        with socket.socket() as reader:
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: it sets the window
+            reader.connect((address.hostname, address.port))
+            reader.sendall(f"GET /dashboard/events HTTP/1.1\r\nHost: {address.netloc}\r\n\r\n".encode())
+            await until(lambda: feed.subscribers == 1)
             await until(lambda: feed.subscribers == 0)
 
     with live_server(small_engine(model)) as live:
