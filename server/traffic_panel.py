@@ -2,8 +2,11 @@
 bounded run of the load generator inside the server, against the server's own address.
 
 A visitor can push the server past its knee and watch latency climb, but only within bounds:
-rate, duration and count are capped, and shutdown stops the run. The panel is off on a
-server with ``--api-key``: a visitor without the key must not be able to load it.
+rate, duration and count are capped, and there is one run at a time. A POST while a run is
+going is a 409 (it used to replace the run, and two POSTs at once could start two runs, one
+of which nothing could stop); DELETE stops the run, and shutdown ends it at once and takes
+no other. The panel is off on a server with ``--api-key``: a visitor without the key must
+not be able to load it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class Traffic:
         self.summary: Summary | None = None
         self.error: str | None = None
         self.started = 0.0
+        self.closed = False
 
     @property
     def running(self) -> bool:
@@ -53,8 +57,15 @@ class Traffic:
                         input_len=input_len, output_len=output_len, warmup=0,
                         request_timeout=TRAFFIC_REQUEST_TIMEOUT_S)
 
-    async def start(self, spec: LoadSpec) -> None:
-        await self.stop()
+    def start(self, spec: LoadSpec) -> None:
+        """Start a run, unless one is going (409) or the server is shutting down (503). Not a
+        coroutine on purpose: nothing can run between the check and the new task, so of two
+        POSTs at once exactly one starts."""
+        if self.closed:
+            raise OpenAIError(503, "the server is shutting down", "server_error", None, "shutting_down")
+        if self.running:
+            raise OpenAIError(409, "a traffic run is in progress: stop it first (DELETE /dashboard/traffic)",
+                              "invalid_request_error", None, "traffic_running")
         self.load, self.summary, self.error, self.started = LoadRun(spec), None, None, time.monotonic()
         self.task = asyncio.create_task(self.load.run())
         self.task.add_done_callback(self._finished)
@@ -74,6 +85,16 @@ class Traffic:
         self.load.stop()
         with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(self.task), 5)
+
+    async def close(self) -> None:
+        """At shutdown: end the run now, and start no other (a keep-alive connection can still
+        POST while the server drains). Cancelled, not stopped and waited for: a request it has
+        just sent may never be answered by a server that is closing."""
+        self.closed = True
+        if self.running:
+            self.load.stop()
+            self.task.cancel()
+            await asyncio.wait([self.task])  # not `await self.task`: close() stays cancellable itself
 
     def status(self) -> dict:
         """The panel's line: idle, running (with counts so far), or the last run's outcome."""
@@ -115,12 +136,12 @@ def add_traffic(app: web.Application, max_model_len: int, *, locked: bool) -> Tr
     app[TRAFFIC] = traffic = Traffic(max_model_len, locked)
     app.router.add_post("/dashboard/traffic", start_traffic)
     app.router.add_delete("/dashboard/traffic", stop_traffic)
-    app.on_shutdown.append(_stop)
+    app.on_shutdown.append(_close)
     return traffic
 
 
-async def _stop(app: web.Application) -> None:
-    await app[TRAFFIC].stop()
+async def _close(app: web.Application) -> None:
+    await app[TRAFFIC].close()
 
 
 def own_url(request: web.Request) -> str:
@@ -139,7 +160,7 @@ async def start_traffic(request: web.Request) -> web.Response:
         body = await request.json()
     except ValueError:
         raise invalid("the body must be JSON") from None
-    await traffic.start(traffic.spec_from(own_url(request), body))
+    traffic.start(traffic.spec_from(own_url(request), body))
     return web.json_response(traffic.status(), status=202)
 
 

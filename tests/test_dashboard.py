@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,9 +25,10 @@ from minillm.engine.llm_engine import EngineStats
 from minillm.model import GPT
 from server import dashboard
 from server.dashboard import FEED, RATE_WINDOW_S, TICK_S, StatsFeed, histogram_quantile
+from server.loadgen_client import LoadSpec
 from server.metrics import Metrics
-from server.traffic_panel import MAX_TRAFFIC_RATE
-from server.wire import sse
+from server.traffic_panel import MAX_TRAFFIC_RATE, TRAFFIC, Traffic
+from server.wire import OpenAIError, sse
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +208,58 @@ def test_a_page_that_stops_reading_is_cut_off(model: GPT, monkeypatch) -> None:
         asyncio.run(asyncio.wait_for(main(live), 30))
 
 
+TRAFFIC_FOR_A_MINUTE = {"request_rate": 2, "input_len": 8, "output_len": 8, "duration": 60}
+
+
+def test_one_traffic_run_at_a_time(model: GPT) -> None:
+    """Of two POSTs at once exactly one starts a run; a POST during it is a 409 and leaves it
+    running; after DELETE a POST starts a new one."""
+
+    async def main(live: Live) -> None:
+        traffic, url = live.app[TRAFFIC], f"{live.url}/dashboard/traffic"
+        async with aiohttp.ClientSession() as session:
+            async def post() -> tuple[int, dict]:
+                async with session.post(url, json=TRAFFIC_FOR_A_MINUTE) as response:
+                    return response.status, await response.json()
+
+            answers = sorted(await asyncio.gather(post(), post()), key=lambda answer: answer[0])
+            assert [status for status, _ in answers] == [202, 409]
+            assert answers[1][1]["error"]["code"] == "traffic_running"
+            run = traffic.task
+            status, body = await post()
+            assert (status, body["error"]["code"]) == (409, "traffic_running")
+            assert traffic.task is run and not run.done()
+            async with session.delete(url) as response:
+                assert response.status == 200 and (await response.json())["state"] == "finished"
+            status, body = await post()
+            assert (status, body["state"]) == (202, "running") and traffic.task is not run
+
+    with live_server(small_engine(model)) as live:
+        asyncio.run(asyncio.wait_for(main(live), 30))
+
+
+def test_shutdown_ends_the_traffic_run_at_once_and_starts_no_other() -> None:
+    """The run's first request goes to a server that accepts and never answers, as one that
+    is closing may: shutdown must not wait on it, nor start a run after."""
+
+    async def main() -> None:
+        connections: list[asyncio.StreamWriter] = []
+        silent = await asyncio.start_server(lambda _, writer: connections.append(writer), "127.0.0.1", 0)
+        traffic = Traffic(max_model_len=128, locked=False)
+        spec = LoadSpec(url=f"http://127.0.0.1:{silent.sockets[0].getsockname()[1]}", num_prompts=1, warmup=0)
+        traffic.start(spec)
+        await until(lambda: bool(connections))
+        started = time.monotonic()
+        await asyncio.wait_for(traffic.close(), 15)  # the test's own bound; the check is the next line
+        assert time.monotonic() - started < 1 and traffic.task.done()
+        with pytest.raises(OpenAIError) as refused:
+            traffic.start(spec)
+        assert (refused.value.status, refused.value.code) == (503, "shutting_down")
+        silent.close()
+
+    asyncio.run(main())
+
+
 def test_the_page_in_chromium_charts_live_traffic(model: GPT, artifacts: Path) -> None:
     with live_server(small_engine(model)) as live, headless_chromium() as browser:
         page = browser.new_page(viewport={"width": 1200, "height": 900})
@@ -230,10 +284,12 @@ def test_the_page_in_chromium_charts_live_traffic(model: GPT, artifacts: Path) -
         page.wait_for_function(f"Number(document.querySelector('#tokens svg').dataset.points) >= {before + 3}")
         assert page.get_attribute("#tokens svg path", "d").count("L") >= 2  # a drawn line
         assert "running at 30 req/s" in page.text_content("#traffic-status")
+        assert page.is_disabled("#start")  # one run at a time: the server would answer 409
         page.screenshot(path=str(artifacts / "dashboard.png"), full_page=True)
 
         page.click("#stop")
         page.wait_for_function("document.querySelector('#traffic-status').textContent.startsWith('finished')")
+        assert page.is_enabled("#start")
         page.close()
     assert problems == []
     outside = [u for u in requests if not u.startswith(live.url + "/") and not u.startswith("data:")]

@@ -86,6 +86,8 @@ function draw(chart) {
 function showTraffic(t) {
   const status = document.getElementById("traffic-status");
   status.className = t.state === "failed" ? "error" : "";
+  // One run at a time: the server answers a start during a run with 409, so offer only Stop.
+  document.getElementById("start").disabled = t.state === "running";
   if (t.state === "idle") {
     status.textContent = "idle";
     return;
