@@ -24,8 +24,8 @@ after ``WRITE_TIMEOUT_S`` on one write, instead of pinning its handler and the s
 buffered for it for ever.
 
 The traffic panel (``POST``/``DELETE /dashboard/traffic``, :mod:`server.traffic_panel`) runs
-the load generator inside the server against its own address, bounded, so a visitor can push
-the server past its knee and watch latency climb; it is off on a server with ``--api-key``.
+the load generator inside the server against its own address: one bounded run at a time,
+for the server's own page only (same-origin, JSON), and off on a server with ``--api-key``.
 """
 
 from __future__ import annotations

@@ -7,6 +7,14 @@ going is a 409 (it used to replace the run, and two POSTs at once could start tw
 of which nothing could stop); DELETE stops the run, and shutdown ends it at once and takes
 no other. The panel is off on a server with ``--api-key``: a visitor without the key must
 not be able to load it.
+
+Both routes change what the server does, so they answer the server's own page, not another
+site's. A page elsewhere can make its visitor's browser POST here: an HTML form sending
+``text/plain`` needs no CORS preflight. So a POST must be ``application/json`` (which a
+browser only sends cross-site after a preflight this server never grants), and a request
+whose ``Origin`` is another origin, or whose ``Sec-Fetch-Site`` says another site sent it,
+is a 403. A request with neither header (curl, a script) is no browser acting for a visitor
+and passes.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ MAX_TRAFFIC_RATE = 100.0
 MAX_TRAFFIC_SECONDS = 120.0
 MAX_TRAFFIC_REQUESTS = 5000
 TRAFFIC_REQUEST_TIMEOUT_S = 30.0
+SAME_ORIGIN_SITES = ("same-origin", "none")  # Sec-Fetch-Site values of the page itself, or of a typed URL
 
 
 class Traffic:
@@ -144,6 +153,16 @@ async def _close(app: web.Application) -> None:
     await app[TRAFFIC].close()
 
 
+def refuse_other_sites(request: web.Request) -> None:
+    """403 unless the request comes from this server's own page, or from no browser at all.
+    The page's origin is the one the request addressed: its scheme and its Host header."""
+    origin, site = request.headers.get("Origin"), request.headers.get("Sec-Fetch-Site")
+    own = f"{request.scheme}://{request.host}".lower()
+    if (origin is not None and origin.lower() != own) or (site is not None and site not in SAME_ORIGIN_SITES):
+        raise OpenAIError(403, "the traffic panel answers its own page only, not a page on another site",
+                          "invalid_request_error", None, "cross_origin")
+
+
 def own_url(request: web.Request) -> str:
     """This server's address as the visitor's connection reached it: the traffic goes there."""
     host, port = request.transport.get_extra_info("sockname")[:2]
@@ -152,10 +171,14 @@ def own_url(request: web.Request) -> str:
 
 async def start_traffic(request: web.Request) -> web.Response:
     """Start a run with the posted settings: 202 and the panel's status line."""
+    refuse_other_sites(request)
     traffic = request.app[TRAFFIC]
     if traffic.locked:
         raise OpenAIError(403, "the traffic panel is off on a server that requires an API key",
                           "invalid_request_error", None, "traffic_disabled")
+    if request.content_type != "application/json":
+        raise OpenAIError(415, f"send the settings as application/json, not {request.content_type}",
+                          "invalid_request_error")
     try:
         body = await request.json()
     except ValueError:
@@ -166,5 +189,6 @@ async def start_traffic(request: web.Request) -> web.Response:
 
 async def stop_traffic(request: web.Request) -> web.Response:
     """Stop the run, if one is going: the panel's status line."""
+    refuse_other_sites(request)
     await request.app[TRAFFIC].stop()
     return web.json_response(request.app[TRAFFIC].status())

@@ -260,6 +260,35 @@ def test_shutdown_ends_the_traffic_run_at_once_and_starts_no_other() -> None:
     asyncio.run(main())
 
 
+def test_the_traffic_panel_answers_its_own_page_only(model: GPT) -> None:
+    """What another site's page can make a visitor's browser send: a text/plain form POST (no
+    preflight), or a fetch that carries its Origin and Sec-Fetch-Site. None may start or stop
+    a run; the page itself, and a client that is no browser, may."""
+
+    async def main(live: Live) -> None:
+        traffic, url = live.app[TRAFFIC], f"{live.url}/dashboard/traffic"
+        async with aiohttp.ClientSession() as session:
+            async def answer(method: str, **options) -> tuple[int, str | None]:
+                async with session.request(method, url, **options) as response:
+                    body = await response.json()
+                    return response.status, body["error"]["code"] if response.status >= 400 else body["state"]
+
+            form = {"data": json.dumps(TRAFFIC_FOR_A_MINUTE), "headers": {"Content-Type": "text/plain"}}
+            assert await answer("POST", **form) == (415, None)
+            for header in ({"Origin": "http://evil.example"}, {"Sec-Fetch-Site": "cross-site"},
+                           {"Origin": live.url, "Sec-Fetch-Site": "same-site"}):
+                assert await answer("POST", json=TRAFFIC_FOR_A_MINUTE, headers=header) == (403, "cross_origin")
+            assert traffic.load is None  # none of them started a run
+            own_page = {"Origin": live.url, "Sec-Fetch-Site": "same-origin"}
+            assert await answer("POST", json=TRAFFIC_FOR_A_MINUTE, headers=own_page) == (202, "running")
+            assert await answer("DELETE", headers={"Origin": "http://evil.example"}) == (403, "cross_origin")
+            assert traffic.running
+            assert await answer("DELETE") == (200, "finished")  # curl: no browser, no headers
+
+    with live_server(small_engine(model)) as live:
+        asyncio.run(asyncio.wait_for(main(live), 30))
+
+
 def test_the_page_in_chromium_charts_live_traffic(model: GPT, artifacts: Path) -> None:
     with live_server(small_engine(model)) as live, headless_chromium() as browser:
         page = browser.new_page(viewport={"width": 1200, "height": 900})
