@@ -16,7 +16,8 @@ Around it, chapter 10's tools:
 - ``loadgen_stats``: latency percentiles, TPOT and goodput, with vLLM's definitions.
 - ``loadgen_client``: workloads, open-loop arrival schedules, one timed streaming request.
 - ``loadgen``: ``python -m server.loadgen``: runs, sweeps, reports, JSON and plots.
-- ``dashboard``: the live page at ``/``, its event stream and its bounded traffic panel.
+- ``dashboard``: the live page at ``/`` and its event stream, one encoding per tick for every page.
+- ``traffic_panel``: the page's bounded load, one run at a time, for the page's own origin only.
 - ``launch``: start ``python -m server`` as a child process (chapters 9, 10 and 15, the tests).
 
 Chapter 15's router, a proxy with the same API in front of several servers

@@ -17,10 +17,15 @@ What a snapshot holds, and where it comes from:
   ``histogram_quantile`` reads them. These are server-side and bucketed: a percentile is
   only as exact as its bucket, unlike the load generator's exact client-side ones.
 
-The traffic panel (``POST``/``DELETE /dashboard/traffic``) runs the load generator's
-:class:`LoadRun` inside the server against its own address, capped in rate, duration and
-count, so a visitor can push the server past its knee and watch latency climb. It is off on
-a server with ``--api-key``: a visitor without the key must not be able to load it.
+A page costs the server little, and no page can cost it much: each snapshot is encoded as an
+event once, and every page is sent those same bytes; at most ``MAX_SUBSCRIBERS`` pages watch
+at once (the next gets a 503 with ``Retry-After``); and a page that stops reading is cut off
+after ``WRITE_TIMEOUT_S`` on one write, instead of pinning its handler and the snapshots
+buffered for it for ever.
+
+The traffic panel (``POST``/``DELETE /dashboard/traffic``, :mod:`server.traffic_panel`) runs
+the load generator inside the server against its own address: one bounded run at a time,
+for the server's own page only (same-origin, JSON), and off on a server with ``--api-key``.
 """
 
 from __future__ import annotations
@@ -38,10 +43,9 @@ from aiohttp import web
 from prometheus_client import Histogram
 
 from server.engine_loop import AsyncEngine
-from server.loadgen_client import LoadRun, LoadSpec
-from server.loadgen_stats import Summary
 from server.metrics import Metrics
-from server.wire import OpenAIError, invalid, sse
+from server.traffic_panel import add_traffic
+from server.wire import OpenAIError, sse
 
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -50,11 +54,9 @@ HISTORY = 240  # snapshots a page receives when it connects: two minutes
 RATE_WINDOW_S = 2.0
 LATENCY_WINDOW_S = 30.0
 QUANTILES = (0.5, 0.95, 0.99)
-# The traffic panel's bounds: a visitor can overload the server, but only briefly.
-MAX_TRAFFIC_RATE = 100.0
-MAX_TRAFFIC_SECONDS = 120.0
-MAX_TRAFFIC_REQUESTS = 5000
-TRAFFIC_REQUEST_TIMEOUT_S = 30.0
+MAX_SUBSCRIBERS = 64  # pages watching at once
+SUBSCRIBER_RETRY_AFTER_S = 5
+WRITE_TIMEOUT_S = 10.0  # one event's write to a page; longer, and the page has stopped reading
 
 
 def histogram_quantile(bounds: Sequence[float], cumulative: Sequence[float], q: float) -> float | None:
@@ -90,7 +92,8 @@ class Counters:
 
 
 class StatsFeed:
-    """Samples the server every ``TICK_S`` and hands each snapshot to every open page.
+    """Samples the server every ``TICK_S`` and hands each snapshot to every open page, as one
+    server-sent event encoded once: its ``history`` holds the events' bytes, not the snapshots.
     (``clock`` times the snapshots; a test passes a fake one to check the rates exactly.)"""
 
     def __init__(self, engine: AsyncEngine, metrics: Metrics, traffic: Callable[[], dict],
@@ -98,7 +101,8 @@ class StatsFeed:
         self._engine, self._metrics, self._traffic, self._clock = engine, metrics, traffic, clock
         self._bounds = {"ttft": buckets(metrics.ttft)[0], "itl": buckets(metrics.itl)[0]}
         self._counters: deque[Counters] = deque(maxlen=int(LATENCY_WINDOW_S / TICK_S) + 1)
-        self.history: deque[dict] = deque(maxlen=HISTORY)
+        self.history: deque[bytes] = deque(maxlen=HISTORY)
+        self.subscribers = 0  # pages whose event stream is open (``events`` counts them)
         self._ticks = 0
         self._changed = asyncio.Condition()
         self._task: asyncio.Task | None = None
@@ -120,17 +124,18 @@ class StatsFeed:
 
     async def _run(self) -> None:
         while True:
-            self.history.append(self.snapshot())
+            self.history.append(sse(self.snapshot()))
             self._ticks += 1
             async with self._changed:
                 self._changed.notify_all()
             await asyncio.sleep(TICK_S)
 
-    async def updates(self) -> AsyncIterator[dict]:
-        """The recent history, then each new snapshot as it is taken, until the feed closes."""
+    async def updates(self) -> AsyncIterator[bytes]:
+        """The recent history, then each new snapshot as it is taken, until the feed closes:
+        each an encoded event, the same bytes object for every page."""
         seen = self._ticks
-        for snapshot in list(self.history):
-            yield snapshot
+        for event in list(self.history):
+            yield event
         while not self.closed:
             async with self._changed:
                 await self._changed.wait_for(lambda: self._ticks > seen or self.closed)
@@ -173,112 +178,24 @@ class StatsFeed:
         return {f"p{round(q * 100)}": None if v is None else round(v * 1e3, 2) for q, v in zip(QUANTILES, values)}
 
 
-class Traffic:
-    """The panel's built-in load: at most one bounded :class:`LoadRun` at a time."""
-
-    def __init__(self, max_model_len: int) -> None:
-        self.max_model_len = max_model_len
-        self.load: LoadRun | None = None
-        self.task: asyncio.Task | None = None
-        self.summary: Summary | None = None
-        self.error: str | None = None
-        self.started = 0.0
-
-    def spec_from(self, url: str, body: object) -> LoadSpec:
-        """The visitor's settings, checked against the panel's bounds (400 otherwise)."""
-        if not isinstance(body, dict):
-            raise invalid("the body must be a JSON object")
-        rate = _number(body, "request_rate", MAX_TRAFFIC_RATE)
-        duration = _number(body, "duration", MAX_TRAFFIC_SECONDS)
-        input_len = _integer(body, "input_len", self.max_model_len - 1)
-        output_len = _integer(body, "output_len", self.max_model_len - input_len)
-        return LoadSpec(url=url, num_prompts=MAX_TRAFFIC_REQUESTS, duration=duration, request_rate=rate,
-                        input_len=input_len, output_len=output_len, warmup=0,
-                        request_timeout=TRAFFIC_REQUEST_TIMEOUT_S)
-
-    async def start(self, spec: LoadSpec) -> None:
-        await self.stop()
-        self.load, self.summary, self.error, self.started = LoadRun(spec), None, None, time.monotonic()
-        self.task = asyncio.create_task(self.load.run())
-        self.task.add_done_callback(self._finished)
-
-    def _finished(self, task: asyncio.Task) -> None:
-        if task.cancelled():
-            return
-        if task.exception() is not None:
-            self.error = f"{type(task.exception()).__name__}: {task.exception()}"
-        else:
-            self.summary = task.result()
-
-    async def stop(self) -> None:
-        """Stop sending and cancel what is in flight; the summary covers what finished."""
-        if self.task is None or self.task.done():
-            return
-        self.load.stop()
-        with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self.task), 5)
-
-    def status(self) -> dict:
-        """The panel's line: idle, running (with counts so far), or the last run's outcome."""
-        if self.load is None:
-            return {"state": "idle"}
-        load, spec = self.load, self.load.spec
-        done = [r for r in load.results if r.ok]
-        status = {"state": "running" if not self.task.done() else ("failed" if self.error else "finished"),
-                  "request_rate": spec.request_rate, "input_len": spec.input_len, "output_len": spec.output_len,
-                  "sent": load.sent, "completed": len(done), "failed": len(load.results) - len(done),
-                  "in_flight": load.in_flight,
-                  "seconds_left": round(max(0.0, spec.duration - (time.monotonic() - self.started)), 1),
-                  "error": self.error}
-        if self.summary is not None:
-            status["output_throughput"] = self.summary.output_throughput
-            status["ttft_p99_ms"] = self.summary.ttft_ms.p99
-        return status
-
-
-def _number(body: dict, name: str, high: float) -> float:
-    value = body.get(name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= high:
-        raise invalid(f"{name} must be a number in (0, {high:g}], got {value!r}", name)
-    return float(value)
-
-
-def _integer(body: dict, name: str, high: int) -> int:
-    value = body.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
-        raise invalid(f"{name} must be an integer in [1, {high}], got {value!r}", name)
-    return value
-
-
-@dataclass
-class Dashboard:
-    feed: StatsFeed
-    traffic: Traffic
-    locked: bool  # the server wants an API key: no anonymous traffic
-
-
-DASHBOARD = web.AppKey("dashboard", Dashboard)
+FEED = web.AppKey("dashboard_feed", StatsFeed)
 
 
 def add_dashboard(app: web.Application, engine: AsyncEngine, metrics: Metrics, max_model_len: int, *,
                   locked: bool) -> None:
-    """Mount the page, its static files, the event stream and the traffic endpoints
+    """Mount the page, its static files, the event stream and the traffic panel
     (``locked``: the server wants an API key, so the traffic panel takes no anonymous runs)."""
-    traffic = Traffic(max_model_len)
-    feed = StatsFeed(engine, metrics, traffic.status)
-    app[DASHBOARD] = Dashboard(feed, traffic, locked)
+    traffic = add_traffic(app, max_model_len, locked=locked)
+    app[FEED] = feed = StatsFeed(engine, metrics, traffic.status)
     app.router.add_get("/", index)
     app.router.add_static("/dashboard/static", STATIC)
     app.router.add_get("/dashboard/events", events)
-    app.router.add_post("/dashboard/traffic", start_traffic)
-    app.router.add_delete("/dashboard/traffic", stop_traffic)
     app.on_startup.append(feed.start)
     app.on_shutdown.append(_close)
 
 
 async def _close(app: web.Application) -> None:
-    await app[DASHBOARD].traffic.stop()
-    await app[DASHBOARD].feed.close()
+    await app[FEED].close()
 
 
 async def index(request: web.Request) -> web.FileResponse:
@@ -286,36 +203,35 @@ async def index(request: web.Request) -> web.FileResponse:
 
 
 async def events(request: web.Request) -> web.StreamResponse:
-    """Server-sent events: one JSON snapshot per tick until the page leaves or the server stops."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    with contextlib.suppress(ConnectionResetError):  # the page went away between two writes
-        async with contextlib.aclosing(request.app[DASHBOARD].feed.updates()) as updates:
-            async for snapshot in updates:
-                await response.write(sse(snapshot))
-        await response.write_eof()
-    return response
-
-
-def own_url(request: web.Request) -> str:
-    """This server's address as the visitor's connection reached it: the traffic goes there."""
-    host, port = request.transport.get_extra_info("sockname")[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-async def start_traffic(request: web.Request) -> web.Response:
-    dashboard = request.app[DASHBOARD]
-    if dashboard.locked:
-        raise OpenAIError(403, "the traffic panel is off on a server that requires an API key",
-                          "invalid_request_error", None, "traffic_disabled")
+    """Server-sent events: the history, then one snapshot per tick until the page leaves or
+    the server stops. Past ``MAX_SUBSCRIBERS`` pages a new one gets a 503 to retry later."""
+    feed = request.app[FEED]
+    if feed.subscribers >= MAX_SUBSCRIBERS:
+        raise OpenAIError(503, f"{MAX_SUBSCRIBERS} pages are watching already; retry shortly", "server_error",
+                          None, "too_many_subscribers", {"Retry-After": str(SUBSCRIBER_RETRY_AFTER_S)})
+    feed.subscribers += 1
     try:
-        body = await request.json()
-    except ValueError:
-        raise invalid("the body must be JSON") from None
-    await dashboard.traffic.start(dashboard.traffic.spec_from(own_url(request), body))
-    return web.json_response(dashboard.traffic.status(), status=202)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        await _relay(request, response, feed)
+        return response
+    finally:  # however the stream ends, even by the handler's cancellation when the page leaves
+        feed.subscribers -= 1
 
 
-async def stop_traffic(request: web.Request) -> web.Response:
-    await request.app[DASHBOARD].traffic.stop()
-    return web.json_response(request.app[DASHBOARD].traffic.status())
+async def _relay(request: web.Request, response: web.StreamResponse, feed: StatsFeed) -> None:
+    """Write the feed's events to one page. A write that takes ``WRITE_TIMEOUT_S`` means the
+    page has stopped reading and the socket's buffers are full: drop the connection, and what
+    is buffered for it, instead of waiting on it for ever."""
+    try:
+        async with contextlib.aclosing(feed.updates()) as updates:
+            async for event in updates:
+                async with asyncio.timeout(WRITE_TIMEOUT_S):
+                    await response.write(event)
+        async with asyncio.timeout(WRITE_TIMEOUT_S):
+            await response.write_eof()
+    except ConnectionResetError:  # the page went away between two writes
+        pass
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()

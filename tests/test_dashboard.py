@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
@@ -19,8 +23,13 @@ from test_server_live import Live, live_server, small_engine, tiny_model
 
 from minillm.engine.llm_engine import EngineStats
 from minillm.model import GPT
-from server.dashboard import DASHBOARD, MAX_TRAFFIC_RATE, RATE_WINDOW_S, TICK_S, StatsFeed, histogram_quantile
+from server import dashboard
+from server.dashboard import FEED, RATE_WINDOW_S, TICK_S, StatsFeed, histogram_quantile
+from server.loadgen_client import LoadSpec
 from server.metrics import Metrics
+from server.traffic_panel import MAX_TRAFFIC_RATE, TRAFFIC, Traffic
+from server.wire import OpenAIError, sse
+
 
 @pytest.fixture(scope="module")
 def model() -> GPT:
@@ -37,16 +46,27 @@ def test_histogram_quantiles_interpolate_inside_buckets() -> None:
 
 
 async def first_events(live: Live, count: int) -> list[dict]:
-    events = []
     async with aiohttp.ClientSession() as session:
-        async with session.get(f"{live.url}/dashboard/events") as response:
-            assert response.headers["Content-Type"].startswith("text/event-stream")
-            async for line in response.content:
-                if line.startswith(b"data: "):
-                    events.append(json.loads(line[6:]))
-                    if len(events) == count:
-                        return events
+        return await read_events(session, live, count)
+
+
+async def read_events(session: aiohttp.ClientSession, live: Live, count: int) -> list[dict]:
+    events = []
+    async with session.get(f"{live.url}/dashboard/events") as response:
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        async for line in response.content:
+            if line.startswith(b"data: "):
+                events.append(json.loads(line[6:]))
+                if len(events) == count:
+                    return events
     return events
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait for ``predicate`` about the server's state (kept in its own thread) to hold."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
 
 
 def test_a_snapshot_reads_its_rates_and_latencies_over_windows_of_the_feeds_clock() -> None:
@@ -84,7 +104,7 @@ def test_the_event_stream_ticks_and_ends_at_shutdown(model: GPT) -> None:
 
     async def watch_through_shutdown(live: Live) -> tuple[list[dict], bool]:
         events = await first_events(live, 3)
-        feed = live.app[DASHBOARD].feed
+        feed = live.app[FEED]
         async with aiohttp.ClientSession() as session:
             traffic = {"request_rate": 20, "input_len": 8, "output_len": 100, "duration": 60}
             async with session.post(f"{live.url}/dashboard/traffic", json=traffic) as response:
@@ -125,6 +145,150 @@ def test_traffic_is_bounded_and_off_behind_an_api_key(model: GPT) -> None:
         assert status == 403 and body["error"]["code"] == "traffic_disabled"
 
 
+def test_each_snapshot_is_encoded_once_however_many_pages_watch(model: GPT, monkeypatch) -> None:
+    """Four pages, six events each (the history, then new ticks): every snapshot the feed's
+    encoder saw is a different one, so no page had its own copy of an event encoded."""
+    encoded: list[dict] = []
+    monkeypatch.setattr(dashboard, "sse", lambda data: encoded.append(data) or sse(data))
+    monkeypatch.setattr(dashboard, "TICK_S", 0.05)
+
+    async def watch(live: Live) -> list[list[dict]]:
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(*(read_events(session, live, 6) for _ in range(4)))
+
+    with live_server(small_engine(model)) as live:
+        pages = asyncio.run(asyncio.wait_for(watch(live), 30))
+    times = [snapshot["t"] for snapshot in encoded]
+    assert len(times) == len(set(times))  # each snapshot encoded once
+    assert all(len(page) == 6 and {e["t"] for e in page} <= set(times) for page in pages)
+
+
+def test_pages_past_the_limit_get_a_503_until_one_leaves(model: GPT, monkeypatch) -> None:
+    monkeypatch.setattr(dashboard, "MAX_SUBSCRIBERS", 2)
+
+    async def main(live: Live) -> None:
+        feed, url = live.app[FEED], f"{live.url}/dashboard/events"
+        async with aiohttp.ClientSession() as session:
+            first, second = await session.get(url), await session.get(url)
+            async with session.get(url) as third:
+                assert (third.status, third.headers.get("Retry-After")) == (503, "5")
+                body = await third.json()
+                assert (body["error"]["type"], body["error"]["code"]) == ("server_error", "too_many_subscribers")
+            first.close()  # the page leaves: its slot is free again
+            await until(lambda: feed.subscribers == 1)
+            async with session.get(url) as fourth:
+                assert fourth.status == 200 and (await fourth.content.readline()).startswith(b"data: ")
+            second.close()
+            await until(lambda: feed.subscribers == 0)
+
+    with live_server(small_engine(model)) as live:
+        asyncio.run(asyncio.wait_for(main(live), 30))
+
+
+def test_a_page_that_stops_reading_is_cut_off(model: GPT, monkeypatch) -> None:
+    """A client that sends its GET and never reads, with a tiny receive buffer, and snapshots
+    of 256 KiB: the socket's buffers fill within a few ticks, a write blocks, and the write
+    timeout must end the stream and free its slot."""
+    monkeypatch.setattr(dashboard, "WRITE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(dashboard, "TICK_S", 0.05)
+    monkeypatch.setattr(dashboard, "HISTORY", 4)
+    snapshot = StatsFeed.snapshot
+    monkeypatch.setattr(StatsFeed, "snapshot", lambda self: {**snapshot(self), "padding": "x" * 2**18})
+
+    async def main(live: Live) -> None:
+        feed, address = live.app[FEED], urlsplit(live.url)
+        with socket.socket() as reader:
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: it sets the window
+            reader.connect((address.hostname, address.port))
+            reader.sendall(f"GET /dashboard/events HTTP/1.1\r\nHost: {address.netloc}\r\n\r\n".encode())
+            await until(lambda: feed.subscribers == 1)
+            await until(lambda: feed.subscribers == 0)
+
+    with live_server(small_engine(model)) as live:
+        asyncio.run(asyncio.wait_for(main(live), 30))
+
+
+TRAFFIC_FOR_A_MINUTE = {"request_rate": 2, "input_len": 8, "output_len": 8, "duration": 60}
+
+
+def test_one_traffic_run_at_a_time(model: GPT) -> None:
+    """Of two POSTs at once exactly one starts a run; a POST during it is a 409 and leaves it
+    running; after DELETE a POST starts a new one."""
+
+    async def main(live: Live) -> None:
+        traffic, url = live.app[TRAFFIC], f"{live.url}/dashboard/traffic"
+        async with aiohttp.ClientSession() as session:
+            async def post() -> tuple[int, dict]:
+                async with session.post(url, json=TRAFFIC_FOR_A_MINUTE) as response:
+                    return response.status, await response.json()
+
+            answers = sorted(await asyncio.gather(post(), post()), key=lambda answer: answer[0])
+            assert [status for status, _ in answers] == [202, 409]
+            assert answers[1][1]["error"]["code"] == "traffic_running"
+            run = traffic.task
+            status, body = await post()
+            assert (status, body["error"]["code"]) == (409, "traffic_running")
+            assert traffic.task is run and not run.done()
+            async with session.delete(url) as response:
+                assert response.status == 200 and (await response.json())["state"] == "finished"
+            status, body = await post()
+            assert (status, body["state"]) == (202, "running") and traffic.task is not run
+
+    with live_server(small_engine(model)) as live:
+        asyncio.run(asyncio.wait_for(main(live), 30))
+
+
+def test_shutdown_ends_the_traffic_run_at_once_and_starts_no_other() -> None:
+    """The run's first request goes to a server that accepts and never answers, as one that
+    is closing may: shutdown must not wait on it, nor start a run after."""
+
+    async def main() -> None:
+        connections: list[asyncio.StreamWriter] = []
+        silent = await asyncio.start_server(lambda _, writer: connections.append(writer), "127.0.0.1", 0)
+        traffic = Traffic(max_model_len=128, locked=False)
+        spec = LoadSpec(url=f"http://127.0.0.1:{silent.sockets[0].getsockname()[1]}", num_prompts=1, warmup=0)
+        traffic.start(spec)
+        await until(lambda: bool(connections))
+        started = time.monotonic()
+        await asyncio.wait_for(traffic.close(), 15)  # the test's own bound; the check is the next line
+        assert time.monotonic() - started < 1 and traffic.task.done()
+        with pytest.raises(OpenAIError) as refused:
+            traffic.start(spec)
+        assert (refused.value.status, refused.value.code) == (503, "shutting_down")
+        silent.close()
+
+    asyncio.run(main())
+
+
+def test_the_traffic_panel_answers_its_own_page_only(model: GPT) -> None:
+    """What another site's page can make a visitor's browser send: a text/plain form POST (no
+    preflight), or a fetch that carries its Origin and Sec-Fetch-Site. None may start or stop
+    a run; the page itself, and a client that is no browser, may."""
+
+    async def main(live: Live) -> None:
+        traffic, url = live.app[TRAFFIC], f"{live.url}/dashboard/traffic"
+        async with aiohttp.ClientSession() as session:
+            async def answer(method: str, **options) -> tuple[int, str | None]:
+                async with session.request(method, url, **options) as response:
+                    body = await response.json()
+                    return response.status, body["error"]["code"] if response.status >= 400 else body["state"]
+
+            form = {"data": json.dumps(TRAFFIC_FOR_A_MINUTE), "headers": {"Content-Type": "text/plain"}}
+            assert await answer("POST", **form) == (415, None)
+            for header in ({"Origin": "http://evil.example"}, {"Sec-Fetch-Site": "cross-site"},
+                           {"Origin": live.url, "Sec-Fetch-Site": "same-site"}):
+                assert await answer("POST", json=TRAFFIC_FOR_A_MINUTE, headers=header) == (403, "cross_origin")
+            assert traffic.load is None  # none of them started a run
+            own_page = {"Origin": live.url, "Sec-Fetch-Site": "same-origin"}
+            assert await answer("POST", json=TRAFFIC_FOR_A_MINUTE, headers=own_page) == (202, "running")
+            assert await answer("DELETE", headers={"Origin": "http://evil.example"}) == (403, "cross_origin")
+            assert traffic.running
+            assert await answer("DELETE") == (200, "finished")  # curl: no browser, no headers
+
+    with live_server(small_engine(model)) as live:
+        asyncio.run(asyncio.wait_for(main(live), 30))
+
+
 def test_the_page_in_chromium_charts_live_traffic(model: GPT, artifacts: Path) -> None:
     with live_server(small_engine(model)) as live, headless_chromium() as browser:
         page = browser.new_page(viewport={"width": 1200, "height": 900})
@@ -149,10 +313,12 @@ def test_the_page_in_chromium_charts_live_traffic(model: GPT, artifacts: Path) -
         page.wait_for_function(f"Number(document.querySelector('#tokens svg').dataset.points) >= {before + 3}")
         assert page.get_attribute("#tokens svg path", "d").count("L") >= 2  # a drawn line
         assert "running at 30 req/s" in page.text_content("#traffic-status")
+        assert page.is_disabled("#start")  # one run at a time: the server would answer 409
         page.screenshot(path=str(artifacts / "dashboard.png"), full_page=True)
 
         page.click("#stop")
         page.wait_for_function("document.querySelector('#traffic-status').textContent.startsWith('finished')")
+        assert page.is_enabled("#start")
         page.close()
     assert problems == []
     outside = [u for u in requests if not u.startswith(live.url + "/") and not u.startswith("data:")]

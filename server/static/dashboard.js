@@ -4,6 +4,7 @@
 
 const MAX_POINTS = 240; // two minutes at the server's two snapshots a second
 const SVG = "http://www.w3.org/2000/svg";
+const RETRY_MS = 5000; // the server's Retry-After for a page past its limit
 
 const fixed = (digits) => (v) => (v === null || v === undefined ? "-" : v.toFixed(digits));
 const percent = (v) => (v * 100).toFixed(0);
@@ -85,6 +86,8 @@ function draw(chart) {
 function showTraffic(t) {
   const status = document.getElementById("traffic-status");
   status.className = t.state === "failed" ? "error" : "";
+  // One run at a time: the server answers a start during a run with 409, so offer only Stop.
+  document.getElementById("start").disabled = t.state === "running";
   if (t.state === "idle") {
     status.textContent = "idle";
     return;
@@ -108,7 +111,13 @@ function connect() {
   const connection = document.getElementById("connection");
   const source = new EventSource("/dashboard/events");
   source.onopen = () => { connection.textContent = "live"; connection.className = "live"; };
-  source.onerror = () => { connection.textContent = "reconnecting"; connection.className = "down"; };
+  source.onerror = () => {
+    connection.textContent = "reconnecting";
+    connection.className = "down";
+    // EventSource retries a dropped connection by itself, but not an error status (a 503 when
+    // too many pages are watching): then it is closed, and the page tries again itself.
+    if (source.readyState === EventSource.CLOSED) setTimeout(connect, RETRY_MS);
+  };
   source.onmessage = (event) => {
     const snapshot = JSON.parse(event.data);
     charts.forEach((chart) => push(chart, snapshot));

@@ -1,0 +1,194 @@
+"""The dashboard's traffic panel: ``POST``/``DELETE /dashboard/traffic`` start and stop one
+bounded run of the load generator inside the server, against the server's own address.
+
+A visitor can push the server past its knee and watch latency climb, but only within bounds:
+rate, duration and count are capped, and there is one run at a time. A POST while a run is
+going is a 409 (it used to replace the run, and two POSTs at once could start two runs, one
+of which nothing could stop); DELETE stops the run, and shutdown ends it at once and takes
+no other. The panel is off on a server with ``--api-key``: a visitor without the key must
+not be able to load it.
+
+Both routes change what the server does, so they answer the server's own page, not another
+site's. A page elsewhere can make its visitor's browser POST here: an HTML form sending
+``text/plain`` needs no CORS preflight. So a POST must be ``application/json`` (which a
+browser only sends cross-site after a preflight this server never grants), and a request
+whose ``Origin`` is another origin, or whose ``Sec-Fetch-Site`` says another site sent it,
+is a 403. A request with neither header (curl, a script) is no browser acting for a visitor
+and passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from aiohttp import web
+
+from server.loadgen_client import LoadRun, LoadSpec
+from server.loadgen_stats import Summary
+from server.wire import OpenAIError, invalid
+
+# The bounds: a visitor can overload the server, but only briefly.
+MAX_TRAFFIC_RATE = 100.0
+MAX_TRAFFIC_SECONDS = 120.0
+MAX_TRAFFIC_REQUESTS = 5000
+TRAFFIC_REQUEST_TIMEOUT_S = 30.0
+SAME_ORIGIN_SITES = ("same-origin", "none")  # Sec-Fetch-Site values of the page itself, or of a typed URL
+
+
+class Traffic:
+    """The panel's built-in load: at most one bounded :class:`LoadRun` at a time."""
+
+    def __init__(self, max_model_len: int, locked: bool) -> None:
+        self.max_model_len = max_model_len
+        self.locked = locked  # the server wants an API key: no anonymous traffic
+        self.load: LoadRun | None = None
+        self.task: asyncio.Task | None = None
+        self.summary: Summary | None = None
+        self.error: str | None = None
+        self.started = 0.0
+        self.closed = False
+
+    @property
+    def running(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    def spec_from(self, url: str, body: object) -> LoadSpec:
+        """The visitor's settings, checked against the panel's bounds (400 otherwise)."""
+        if not isinstance(body, dict):
+            raise invalid("the body must be a JSON object")
+        rate = _number(body, "request_rate", MAX_TRAFFIC_RATE)
+        duration = _number(body, "duration", MAX_TRAFFIC_SECONDS)
+        input_len = _integer(body, "input_len", self.max_model_len - 1)
+        output_len = _integer(body, "output_len", self.max_model_len - input_len)
+        return LoadSpec(url=url, num_prompts=MAX_TRAFFIC_REQUESTS, duration=duration, request_rate=rate,
+                        input_len=input_len, output_len=output_len, warmup=0,
+                        request_timeout=TRAFFIC_REQUEST_TIMEOUT_S)
+
+    def start(self, spec: LoadSpec) -> None:
+        """Start a run, unless one is going (409) or the server is shutting down (503). Not a
+        coroutine on purpose: nothing can run between the check and the new task, so of two
+        POSTs at once exactly one starts."""
+        if self.closed:
+            raise OpenAIError(503, "the server is shutting down", "server_error", None, "shutting_down")
+        if self.running:
+            raise OpenAIError(409, "a traffic run is in progress: stop it first (DELETE /dashboard/traffic)",
+                              "invalid_request_error", None, "traffic_running")
+        self.load, self.summary, self.error, self.started = LoadRun(spec), None, None, time.monotonic()
+        self.task = asyncio.create_task(self.load.run())
+        self.task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        if task.exception() is not None:
+            self.error = f"{type(task.exception()).__name__}: {task.exception()}"
+        else:
+            self.summary = task.result()
+
+    async def stop(self) -> None:
+        """Stop sending and cancel what is in flight; the summary covers what finished."""
+        if not self.running:
+            return
+        self.load.stop()
+        with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.task), 5)
+
+    async def close(self) -> None:
+        """At shutdown: end the run now, and start no other (a keep-alive connection can still
+        POST while the server drains). Cancelled, not stopped and waited for: a request it has
+        just sent may never be answered by a server that is closing."""
+        self.closed = True
+        if self.running:
+            self.load.stop()
+            self.task.cancel()
+            await asyncio.wait([self.task])  # not `await self.task`: close() stays cancellable itself
+
+    def status(self) -> dict:
+        """The panel's line: idle, running (with counts so far), or the last run's outcome."""
+        if self.load is None:
+            return {"state": "idle"}
+        load, spec = self.load, self.load.spec
+        done = [r for r in load.results if r.ok]
+        status = {"state": "running" if self.running else ("failed" if self.error else "finished"),
+                  "request_rate": spec.request_rate, "input_len": spec.input_len, "output_len": spec.output_len,
+                  "sent": load.sent, "completed": len(done), "failed": len(load.results) - len(done),
+                  "in_flight": load.in_flight,
+                  "seconds_left": round(max(0.0, spec.duration - (time.monotonic() - self.started)), 1),
+                  "error": self.error}
+        if self.summary is not None:
+            status["output_throughput"] = self.summary.output_throughput
+            status["ttft_p99_ms"] = self.summary.ttft_ms.p99
+        return status
+
+
+def _number(body: dict, name: str, high: float) -> float:
+    value = body.get(name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= high:
+        raise invalid(f"{name} must be a number in (0, {high:g}], got {value!r}", name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, high: int) -> int:
+    value = body.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+        raise invalid(f"{name} must be an integer in [1, {high}], got {value!r}", name)
+    return value
+
+
+TRAFFIC = web.AppKey("traffic", Traffic)
+
+
+def add_traffic(app: web.Application, max_model_len: int, *, locked: bool) -> Traffic:
+    """Mount the panel's two routes, stopped at shutdown (``locked``: it takes no runs)."""
+    app[TRAFFIC] = traffic = Traffic(max_model_len, locked)
+    app.router.add_post("/dashboard/traffic", start_traffic)
+    app.router.add_delete("/dashboard/traffic", stop_traffic)
+    app.on_shutdown.append(_close)
+    return traffic
+
+
+async def _close(app: web.Application) -> None:
+    await app[TRAFFIC].close()
+
+
+def refuse_other_sites(request: web.Request) -> None:
+    """403 unless the request comes from this server's own page, or from no browser at all.
+    The page's origin is the one the request addressed: its scheme and its Host header."""
+    origin, site = request.headers.get("Origin"), request.headers.get("Sec-Fetch-Site")
+    own = f"{request.scheme}://{request.host}".lower()
+    if (origin is not None and origin.lower() != own) or (site is not None and site not in SAME_ORIGIN_SITES):
+        raise OpenAIError(403, "the traffic panel answers its own page only, not a page on another site",
+                          "invalid_request_error", None, "cross_origin")
+
+
+def own_url(request: web.Request) -> str:
+    """This server's address as the visitor's connection reached it: the traffic goes there."""
+    host, port = request.transport.get_extra_info("sockname")[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+async def start_traffic(request: web.Request) -> web.Response:
+    """Start a run with the posted settings: 202 and the panel's status line."""
+    refuse_other_sites(request)
+    traffic = request.app[TRAFFIC]
+    if traffic.locked:
+        raise OpenAIError(403, "the traffic panel is off on a server that requires an API key",
+                          "invalid_request_error", None, "traffic_disabled")
+    if request.content_type != "application/json":
+        raise OpenAIError(415, f"send the settings as application/json, not {request.content_type}",
+                          "invalid_request_error")
+    try:
+        body = await request.json()
+    except ValueError:
+        raise invalid("the body must be JSON") from None
+    traffic.start(traffic.spec_from(own_url(request), body))
+    return web.json_response(traffic.status(), status=202)
+
+
+async def stop_traffic(request: web.Request) -> web.Response:
+    """Stop the run, if one is going: the panel's status line."""
+    refuse_other_sites(request)
+    await request.app[TRAFFIC].stop()
+    return web.json_response(request.app[TRAFFIC].status())
