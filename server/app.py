@@ -39,7 +39,7 @@ from server.dashboard import add_dashboard
 from server.engine_loop import AsyncEngine, EngineFailure, Event, QueueFull, Rejected, RequestStream, ShuttingDown
 from server.metrics import CONTENT_TYPE, Metrics
 from server.protocol import GenerationRequest, ModelCard, Responses, models_list, parse_chat, parse_completion, usage
-from server.wire import OpenAIError, invalid, sse, write_within
+from server.wire import OpenAIError, invalid, read_json, sse, write_within
 
 access_log = logging.getLogger("server.access")
 log = logging.getLogger("server")
@@ -84,7 +84,8 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
-    add_dashboard(app, async_engine, state.metrics, card.max_model_len, locked=config.api_key is not None)  # chapter 10
+    add_dashboard(app, async_engine, state.metrics, card.max_model_len, locked=config.api_key is not None,
+                  client_timeout=config.client_timeout)  # chapter 10
     app.on_startup.append(_start_engine)
     app.on_shutdown.append(_stop_accepting)
     app.on_cleanup.append(_stop_engine)
@@ -250,33 +251,6 @@ def as_openai_error(err: Exception) -> OpenAIError:
     return OpenAIError(500, str(err), "server_error", None, "engine_error")
 
 
-async def read_json(request: web.Request) -> object:
-    """The body as JSON, or a 4xx: a charset Python does not know (415), bytes that are not
-    that charset, text that is not JSON, or JSON nested too deeply to parse (400); or a body
-    that takes more than ``--client-timeout`` to arrive (408: a client dribbling bytes holds a
-    connection and a handler for as long as it likes otherwise)."""
-    timeout = request.app[STATE].client_timeout
-    try:
-        async with asyncio.timeout(timeout):
-            body = await request.read()  # bounded by client_max_size (413 past it)
-    except TimeoutError:
-        raise OpenAIError(408, f"the request body did not arrive within {timeout:g} s", "invalid_request_error",
-                          None, "request_timeout", {"Connection": "close"}) from None
-    charset = request.charset or "utf-8"
-    try:
-        text = body.decode(charset)
-    except LookupError:
-        raise OpenAIError(415, f"unsupported charset {charset!r}: send UTF-8", "invalid_request_error") from None
-    except UnicodeDecodeError as err:
-        raise invalid(f"the request body is not valid {charset}: {err}") from None
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise invalid("the request body is JSON nested too deeply") from None
-    except ValueError as err:  # not JSON, or an integer past Python's digit limit
-        raise invalid(f"the request body is not valid JSON: {err}") from None
-
-
 async def _generate(request: web.Request, parse: Callable, prefix: str) -> web.StreamResponse:
     """Check, submit, wait for the engine to accept, then answer whole or streamed.
 
@@ -288,7 +262,7 @@ async def _generate(request: web.Request, parse: Callable, prefix: str) -> web.S
     stream: RequestStream | None = None
     refused = False  # by the engine loop, before it took the request on
     try:
-        req: GenerationRequest = parse(await read_json(request), state.tokenizer, state.card)
+        req: GenerationRequest = parse(await read_json(request, state.client_timeout), state.tokenizer, state.card)
         record.user = req.user
         choices = req.choices()
         try:

@@ -20,7 +20,7 @@ What a snapshot holds, and where it comes from:
 A page costs the server little, and no page can cost it much: each snapshot is encoded as an
 event once, and every page is sent those same bytes; at most ``MAX_SUBSCRIBERS`` pages watch
 at once (the next gets a 503 with ``Retry-After``); and a page that stops reading is cut off
-after ``WRITE_TIMEOUT_S`` on one write, instead of pinning its handler and the snapshots
+after ``--client-timeout`` on one write, instead of pinning its handler and the snapshots
 buffered for it for ever.
 
 The traffic panel (``POST``/``DELETE /dashboard/traffic``, :mod:`server.traffic_panel`) runs
@@ -45,7 +45,7 @@ from prometheus_client import Histogram
 from server.engine_loop import AsyncEngine
 from server.metrics import Metrics
 from server.traffic_panel import add_traffic
-from server.wire import OpenAIError, sse
+from server.wire import OpenAIError, sse, write_within
 
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -56,7 +56,6 @@ LATENCY_WINDOW_S = 30.0
 QUANTILES = (0.5, 0.95, 0.99)
 MAX_SUBSCRIBERS = 64  # pages watching at once
 SUBSCRIBER_RETRY_AFTER_S = 5
-WRITE_TIMEOUT_S = 10.0  # one event's write to a page; longer, and the page has stopped reading
 
 
 def histogram_quantile(bounds: Sequence[float], cumulative: Sequence[float], q: float) -> float | None:
@@ -94,11 +93,13 @@ class Counters:
 class StatsFeed:
     """Samples the server every ``TICK_S`` and hands each snapshot to every open page, as one
     server-sent event encoded once: its ``history`` holds the events' bytes, not the snapshots.
+    ``write_timeout`` is the longest one event may take to leave for a page (``--client-timeout``).
     (``clock`` times the snapshots; a test passes a fake one to check the rates exactly.)"""
 
     def __init__(self, engine: AsyncEngine, metrics: Metrics, traffic: Callable[[], dict],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, write_timeout: float = 30.0) -> None:
         self._engine, self._metrics, self._traffic, self._clock = engine, metrics, traffic, clock
+        self.write_timeout = write_timeout
         self._bounds = {"ttft": buckets(metrics.ttft)[0], "itl": buckets(metrics.itl)[0]}
         self._counters: deque[Counters] = deque(maxlen=int(LATENCY_WINDOW_S / TICK_S) + 1)
         self.history: deque[bytes] = deque(maxlen=HISTORY)
@@ -182,11 +183,12 @@ FEED = web.AppKey("dashboard_feed", StatsFeed)
 
 
 def add_dashboard(app: web.Application, engine: AsyncEngine, metrics: Metrics, max_model_len: int, *,
-                  locked: bool) -> None:
+                  locked: bool, client_timeout: float) -> None:
     """Mount the page, its static files, the event stream and the traffic panel
-    (``locked``: the server wants an API key, so the traffic panel takes no anonymous runs)."""
-    traffic = add_traffic(app, max_model_len, locked=locked)
-    app[FEED] = feed = StatsFeed(engine, metrics, traffic.status)
+    (``locked``: the server wants an API key, so the traffic panel takes no anonymous runs;
+    ``client_timeout`` bounds each write to a page and the wait for a posted body)."""
+    traffic = add_traffic(app, max_model_len, locked=locked, body_timeout=client_timeout)
+    app[FEED] = feed = StatsFeed(engine, metrics, traffic.status, write_timeout=client_timeout)
     app.router.add_get("/", index)
     app.router.add_static("/dashboard/static", STATIC)
     app.router.add_get("/dashboard/events", events)
@@ -220,18 +222,11 @@ async def events(request: web.Request) -> web.StreamResponse:
 
 
 async def _relay(request: web.Request, response: web.StreamResponse, feed: StatsFeed) -> None:
-    """Write the feed's events to one page. A write that takes ``WRITE_TIMEOUT_S`` means the
-    page has stopped reading and the socket's buffers are full: drop the connection, and what
-    is buffered for it, instead of waiting on it for ever."""
-    try:
+    """Write the feed's events to one page, each within the feed's ``write_timeout``: past it
+    the page has stopped reading and the socket's buffers are full, so its connection is
+    dropped, with what is buffered for it, instead of waited on for ever."""
+    with contextlib.suppress(ConnectionResetError):  # the page went away, or stopped reading
         async with contextlib.aclosing(feed.updates()) as updates:
             async for event in updates:
-                async with asyncio.timeout(WRITE_TIMEOUT_S):
-                    await response.write(event)
-        async with asyncio.timeout(WRITE_TIMEOUT_S):
-            await response.write_eof()
-    except ConnectionResetError:  # the page went away between two writes
-        pass
-    except TimeoutError:
-        if request.transport is not None:
-            request.transport.abort()
+                await write_within(request, response, event, feed.write_timeout)
+        await write_within(request, response, None, feed.write_timeout)

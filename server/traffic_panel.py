@@ -27,7 +27,7 @@ from aiohttp import web
 
 from server.loadgen_client import LoadRun, LoadSpec
 from server.loadgen_stats import Summary
-from server.wire import OpenAIError, invalid
+from server.wire import OpenAIError, invalid, read_json
 
 # The bounds: a visitor can overload the server, but only briefly.
 MAX_TRAFFIC_RATE = 100.0
@@ -40,8 +40,9 @@ SAME_ORIGIN_SITES = ("same-origin", "none")  # Sec-Fetch-Site values of the page
 class Traffic:
     """The panel's built-in load: at most one bounded :class:`LoadRun` at a time."""
 
-    def __init__(self, max_model_len: int, locked: bool) -> None:
+    def __init__(self, max_model_len: int, locked: bool, body_timeout: float = 30.0) -> None:
         self.max_model_len = max_model_len
+        self.body_timeout = body_timeout  # the longest a posted body may take (--client-timeout)
         self.locked = locked  # the server wants an API key: no anonymous traffic
         self.load: LoadRun | None = None
         self.task: asyncio.Task | None = None
@@ -140,9 +141,9 @@ def _integer(body: dict, name: str, high: int) -> int:
 TRAFFIC = web.AppKey("traffic", Traffic)
 
 
-def add_traffic(app: web.Application, max_model_len: int, *, locked: bool) -> Traffic:
+def add_traffic(app: web.Application, max_model_len: int, *, locked: bool, body_timeout: float) -> Traffic:
     """Mount the panel's two routes, stopped at shutdown (``locked``: it takes no runs)."""
-    app[TRAFFIC] = traffic = Traffic(max_model_len, locked)
+    app[TRAFFIC] = traffic = Traffic(max_model_len, locked, body_timeout)
     app.router.add_post("/dashboard/traffic", start_traffic)
     app.router.add_delete("/dashboard/traffic", stop_traffic)
     app.on_shutdown.append(_close)
@@ -179,10 +180,7 @@ async def start_traffic(request: web.Request) -> web.Response:
     if request.content_type != "application/json":
         raise OpenAIError(415, f"send the settings as application/json, not {request.content_type}",
                           "invalid_request_error")
-    try:
-        body = await request.json()
-    except ValueError:
-        raise invalid("the body must be JSON") from None
+    body = await read_json(request, traffic.body_timeout)
     traffic.start(traffic.spec_from(own_url(request), body))
     return web.json_response(traffic.status(), status=202)
 

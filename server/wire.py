@@ -51,3 +51,29 @@ async def write_within(request: Any, response: Any, data: bytes | None, timeout:
         if request.transport is not None:
             request.transport.abort()
         raise ConnectionResetError(f"the client read nothing for {timeout:g} s") from None
+
+
+async def read_json(request: Any, timeout: float) -> object:
+    """A request's body as JSON, or a 4xx: a charset Python does not know (415), bytes that
+    are not that charset, text that is not JSON, or JSON nested too deeply to parse (400); or
+    a body that takes more than ``timeout`` to arrive (408: a client dribbling bytes would
+    otherwise hold a connection and a handler for as long as it likes)."""
+    try:
+        async with asyncio.timeout(timeout):
+            body = await request.read()  # bounded by the app's client_max_size (413 past it)
+    except TimeoutError:
+        raise OpenAIError(408, f"the request body did not arrive within {timeout:g} s", "invalid_request_error",
+                          None, "request_timeout", {"Connection": "close"}) from None
+    charset = request.charset or "utf-8"
+    try:
+        text = body.decode(charset)
+    except LookupError:
+        raise OpenAIError(415, f"unsupported charset {charset!r}: send UTF-8", "invalid_request_error") from None
+    except UnicodeDecodeError as err:
+        raise invalid(f"the request body is not valid {charset}: {err}") from None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise invalid("the request body is JSON nested too deeply") from None
+    except ValueError as err:  # not JSON, or an integer past Python's digit limit
+        raise invalid(f"the request body is not valid JSON: {err}") from None
