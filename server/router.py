@@ -44,7 +44,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from minillm.cli import UsageError, run
 from minillm.settings import preset_dir, resolve_checkpoint
-from server.launch import ServerProcess, start_server
+from server.launch import ServerProcess, start_server, stop_all
 from server.wire import OpenAIError, sse
 from server.replicas import Replica, ReplicaSet
 from server.router_config import RouterConfig, parse_router_args
@@ -56,6 +56,7 @@ RETRY_STATUSES = {429, 500, 502, 503, 504}  # a replica's refusal that another r
 FORWARDED_HEADERS = ("Content-Type", "Authorization", "Accept", "X-Request-Id")
 CLIENT_GONE = 499
 DONE = sse("[DONE]")
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @dataclass
@@ -323,8 +324,7 @@ def spawn_replicas(config: RouterConfig) -> list[ServerProcess]:
         except RuntimeError as err:
             problems.append(str(err))
     if problems:
-        for server in started:
-            server.stop()
+        stop_all(started)
         raise UsageError(f"--spawn: a replica did not start: {problems[0]}")
     return started
 
@@ -344,11 +344,19 @@ async def running(app: web.Application, host: str = "127.0.0.1", port: int = 0,
 
 
 async def _until_signalled(app: web.Application, config: RouterConfig) -> None:
-    """Serve until SIGINT or SIGTERM, printing the address once listening."""
+    """Serve until SIGINT or SIGTERM, printing the address once listening. The first signal
+    removes the handlers, so a second Ctrl+C is Python's own KeyboardInterrupt: it stops at once
+    instead of waiting out the grace period (as the server does)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+
+    def on_signal() -> None:
+        stop.set()
+        for sig in SIGNALS:
+            loop.remove_signal_handler(sig)
+
+    for sig in SIGNALS:
+        loop.add_signal_handler(sig, on_signal)
     urls = ", ".join(r.url for r in app[ROUTER].replicas.replicas)
     async with running(app, config.host, config.port, config.shutdown_grace) as url:
         print(f"minillm router ({config.policy}) serving at {url} over {urls}   (Ctrl+C to stop)", flush=True)
@@ -365,9 +373,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         app = create_router(config.replicas + [s.url for s in spawned], config)
         asyncio.run(_until_signalled(app, config))
-    finally:
+    except KeyboardInterrupt:  # a second Ctrl+C: whoever pressed it will not wait out the replicas' grace
         for server in spawned:
-            server.stop()
+            server.kill()
+        raise  # minillm.cli.run prints "interrupted" and exits 130
+    finally:
+        stop_all(spawned)  # side by side; at once if they were killed
     return 0
 
 

@@ -34,7 +34,7 @@ import aiohttp
 
 from minillm.cli import ArgumentParser, run
 from minillm.settings import project_root, quick
-from server.launch import ServerProcess, start_server
+from server.launch import ServerProcess, start_server, stop_all
 from server.loadgen_client import LoadRun, LoadSpec, arrival_times, send_request
 from server.loadgen_stats import RequestResult, Summary, parse_slo, summarize
 from server.replicas import parse_load
@@ -281,8 +281,7 @@ def bench(checkpoint: str, size: BenchSizes | None = None) -> dict:
     try:
         results = asyncio.run(run_experiments(fleet, checkpoint, size))
     finally:
-        for server in fleet:
-            server.stop()
+        stop_all(fleet)
     return make_report(size, results)
 
 

@@ -11,7 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -19,8 +24,10 @@ import pytest
 from aiohttp import web
 
 from minillm.cli import UsageError
+from server import router
+from server.launch import ServerProcess, stop_all
 from server.replicas import Replica, ReplicaSet, parse_load
-from server.router import ROUTER, create_router, running, spawn_replicas
+from server.router import ROUTER, _until_signalled, create_router, running, spawn_replicas
 from server.router_config import RouterConfig, parse_router_args
 from server.routing import (LeastOutstanding, LoadAware, PrefixAffinity, RoundRobin, affinity_key, make_policy)
 
@@ -366,6 +373,67 @@ def test_load_aware_routing_reads_the_replicas_metrics() -> None:
         assert (len(queued.bodies), len(idle.bodies)) == (0, 4)
 
     run(main())
+
+
+# ----------------------------------------------------------------------------- stopping
+
+SLOW_TO_STOP = ("import signal, sys, time\n"
+                "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1), sys.exit(0)))\n"
+                "print('ready', flush=True)\n"
+                "time.sleep(60)\n")
+
+
+@contextlib.contextmanager
+def slow_to_stop(n: int):
+    """``n`` child processes that each take 1 s to exit after SIGTERM, as servers draining their
+    requests do, wrapped as :class:`ServerProcess` es; yielded once their handlers are in place."""
+    procs = [subprocess.Popen([sys.executable, "-c", SLOW_TO_STOP], stdout=subprocess.PIPE, text=True)
+             for _ in range(n)]
+    try:
+        for proc in procs:
+            assert proc.stdout.readline() == "ready\n"
+        yield [ServerProcess(proc, f"http://127.0.0.1:{9000 + i}", []) for i, proc in enumerate(procs)]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
+
+
+def test_stop_all_stops_servers_side_by_side() -> None:
+    with slow_to_stop(3) as servers:
+        start = time.monotonic()
+        assert stop_all(servers, grace=5) == [0, 0, 0]  # each exited through its handler: gracefully
+        assert time.monotonic() - start < 2.5  # one after another takes 3 s
+
+
+def test_the_first_signal_removes_the_handlers_so_a_second_interrupts() -> None:
+    async def main() -> None:
+        before = signal.getsignal(signal.SIGTERM)
+        async with running(fake_app(Fake())) as replica:
+            config = RouterConfig(replicas=[replica], port=0, shutdown_grace=0)
+            serving = asyncio.create_task(_until_signalled(create_router([replica], config), config))
+            await until(lambda: signal.getsignal(signal.SIGTERM) is not before)  # its handlers are in
+            os.kill(os.getpid(), signal.SIGTERM)
+            await serving
+            assert signal.getsignal(signal.SIGTERM) is before
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)  # the signal interrupts this at once (or landed already)
+
+    run(main())
+
+
+def test_a_second_ctrl_c_kills_the_spawned_replicas_at_once(monkeypatch) -> None:
+    async def interrupted(app: web.Application, config: RouterConfig) -> None:
+        raise KeyboardInterrupt  # what a second Ctrl+C does while the router drains
+
+    with slow_to_stop(2) as servers:
+        monkeypatch.setattr(router, "spawn_replicas", lambda config: servers)
+        monkeypatch.setattr(router, "_until_signalled", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            router.main(["--spawn", "2"])
+        assert [s.proc.returncode for s in servers] == [-signal.SIGKILL] * 2  # killed, not 1 s of grace each
 
 
 def test_the_shared_prefix_workload_shares_exactly_its_prefixes() -> None:
