@@ -131,8 +131,9 @@ class ReplicaSet:
     async def check_all(self, session: aiohttp.ClientSession, timeout: float) -> None:
         await asyncio.gather(*(self.check(session, r, timeout) for r in self.replicas))
 
-    async def keep_checking(self, session: aiohttp.ClientSession, interval: float) -> None:
-        """Check every replica every ``interval`` seconds, until cancelled."""
+    async def keep_checking(self, session: aiohttp.ClientSession, interval: float, timeout: float) -> None:
+        """Check every replica every ``interval`` seconds, each check given up after
+        ``timeout`` (shorter than the interval, so checks never pile up), until cancelled."""
         while True:
             await asyncio.sleep(interval)
-            await self.check_all(session, timeout=max(interval, 1.0))
+            await self.check_all(session, timeout)

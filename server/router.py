@@ -95,8 +95,9 @@ async def _start(app: web.Application) -> None:
     """Open the upstream session, check every replica once, then keep checking."""
     state = app[ROUTER]
     state.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-    await state.replicas.check_all(state.session, timeout=max(state.config.health_interval, 1.0))
-    state.checker = asyncio.create_task(state.replicas.keep_checking(state.session, state.config.health_interval))
+    await state.replicas.check_all(state.session, state.config.health_timeout)
+    state.checker = asyncio.create_task(state.replicas.keep_checking(state.session, state.config.health_interval,
+                                                                     state.config.health_timeout))
 
 
 async def _stop(app: web.Application) -> None:

@@ -136,7 +136,7 @@ async def policies_under_skew(urls: Sequence[str], size: BenchSizes) -> list[dic
     rows = []
     async with other_tenant(urls[0], size.tenant_requests, size.tenant_output_len):
         for policy in POLICIES:
-            async with routed(urls[:2], policy, health_interval=0.25) as (url, state):
+            async with routed(urls[:2], policy, health_interval=0.25, health_timeout=0.2) as (url, state):
                 summary = await LoadRun(size.spec(url)).run()
                 sent = [r.requests for r in state.replicas.replicas]
             rows.append({"policy": policy, **row(summary), "share to busy replica": sent[0] / sum(sent)})

@@ -26,7 +26,9 @@ class RouterConfig:
     """Which replicas, how to pick one, and how hard to try.
 
     ``max_attempts`` bounds how many replicas one request may try before its first token
-    (the first try included); ``health_interval`` is the seconds between active health checks.
+    (the first try included). ``health_interval`` is the seconds between active health checks,
+    and ``health_timeout`` how long one check may take: less than the interval, so that a
+    replica that stops answering is found out within one interval instead of piling up checks.
     """
 
     replicas: list[str] = field(default_factory=list)
@@ -37,6 +39,7 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     health_interval: float = 1.0
+    health_timeout: float = 0.5
     eject_after: int = 2
     readmit_after: int = 2
     max_attempts: int = 3
@@ -54,6 +57,7 @@ class RouterConfig:
         checks = [("spawn", 0 <= self.spawn <= MAX_SPAWN, f"in 0..{MAX_SPAWN}"),
                   ("port", 0 <= self.port <= 65535, "in 0..65535"),
                   ("health_interval", self.health_interval > 0, "> 0 seconds"),
+                  ("health_timeout", self.health_timeout > 0, "> 0 seconds"),
                   ("eject_after", self.eject_after >= 1, ">= 1"), ("readmit_after", self.readmit_after >= 1, ">= 1"),
                   ("max_attempts", self.max_attempts >= 1, ">= 1"),
                   ("connect_timeout", self.connect_timeout > 0, "> 0 seconds"),
@@ -61,6 +65,9 @@ class RouterConfig:
         for name, ok, rule in checks:
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(self, name)}")
+        if self.health_timeout >= self.health_interval:
+            raise ValueError(f"--health-timeout ({self.health_timeout} s) must be shorter than --health-interval "
+                             f"({self.health_interval} s)")
         if self.policy not in POLICIES:
             raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         try:
@@ -82,6 +89,7 @@ FLAGS = [
     ("--host", str, "address to listen on"),
     ("--port", int, "port to listen on (0: any free port)"),
     ("--health-interval", float, "seconds between health checks of each replica"),
+    ("--health-timeout", float, "seconds one health check may take (less than --health-interval)"),
     ("--eject-after", int, "failed health checks in a row that take a replica out"),
     ("--readmit-after", int, "passed health checks in a row that bring it back"),
     ("--max-attempts", int, "replicas one request may try before its first token"),

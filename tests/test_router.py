@@ -134,6 +134,8 @@ def test_router_flags_are_checked_in_one_line(capsys, tmp_path) -> None:
                           (["--replica", "h:1"], "--replica wants a URL"),
                           (["--spawn", "99"], "--spawn must be in 0..16"),
                           (["--spawn", "1", "--health-interval", "0"], "--health-interval must be > 0"),
+                          (["--spawn", "1", "--health-timeout", "1"],
+                           r"--health-timeout \(1.0 s\) must be shorter than --health-interval \(1.0 s\)"),
                           (["--spawn", "1", "--replica-args", "'unclosed"], "--replica-args")):
         with pytest.raises(UsageError, match=message):
             parse_router_args(argv, {})
@@ -152,13 +154,17 @@ SEEN = web.AppKey("seen", dict)
 @dataclass
 class Fake:
     """A replica that behaves as told: ``mode`` is ok | refuse | cut | stall. A stalled stream
-    sends its first event, then waits for the test to set ``release`` before the rest."""
+    sends its first event, then waits for the test to set ``release`` before the rest.
+    ``hang_health``: ``/health`` never answers; ``health_waits`` gets how long each hung check
+    waited before the router gave up on it."""
 
     mode: str = "ok"
     events: int = 3
     healthy: bool = True
+    hang_health: bool = False
     waiting: float = 0.0
     bodies: list = field(default_factory=list)
+    health_waits: list = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     release: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -193,6 +199,12 @@ def fake_app(fake: Fake) -> web.Application:
         return response
 
     async def health(request: web.Request) -> web.Response:
+        if fake.hang_health:
+            start = time.monotonic()
+            try:
+                await asyncio.Event().wait()  # never set: only the router giving up ends it
+            finally:
+                fake.health_waits.append(time.monotonic() - start)
         return web.json_response({}, status=200 if fake.healthy else 503)
 
     async def metrics(request: web.Request) -> web.Response:
@@ -341,7 +353,7 @@ def test_a_client_leaving_the_router_cancels_the_request_on_the_replica() -> Non
 def test_health_checks_eject_and_readmit_and_no_replica_is_a_503() -> None:
     async def main() -> None:
         a, b = Fake(), Fake()
-        async with router_over([a, b], health_interval=0.05) as (url, state, session):
+        async with router_over([a, b], health_interval=0.1, health_timeout=0.08) as (url, state, session):
             ra, rb = state.replicas.replicas
             a.healthy = b.healthy = False
             await until(lambda: not ra.healthy and not rb.healthy)
@@ -371,6 +383,16 @@ def test_load_aware_routing_reads_the_replicas_metrics() -> None:
                 async with session.post(f"{url}/v1/completions", json={"prompt": "x"}) as response:
                     assert response.status == 200
         assert (len(queued.bodies), len(idle.bodies)) == (0, 4)
+
+    run(main())
+
+
+def test_health_checks_give_up_after_the_health_timeout() -> None:
+    async def main() -> None:
+        hung = Fake(hang_health=True)
+        async with router_over([hung, Fake()], health_interval=0.2, health_timeout=0.05) as (url, state, session):
+            await until(lambda: not state.replicas.replicas[0].healthy and len(hung.health_waits) >= 2)
+        assert max(hung.health_waits) < 0.5  # each gave up after about 0.05 s: not max(interval, 1 s)
 
     run(main())
 

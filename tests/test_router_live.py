@@ -41,7 +41,7 @@ def abort_count(metrics: str) -> float:
 
 
 async def _through_the_router(urls: list[str]) -> None:
-    config = RouterConfig(replicas=urls, policy="prefix", health_interval=0.2)
+    config = RouterConfig(replicas=urls, policy="prefix")
     app = create_router(urls, config)
     story = "Once upon a time there was a little dog who lived by the sea with his friend the cat, and every day"
     body = {"prompt": story * 2, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
