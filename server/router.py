@@ -18,6 +18,8 @@ What can go wrong, and what the client sees:
 - **The client leaves**: aiohttp cancels the handler (``handler_cancellation=True``), which
   closes the upstream connection, and the replica, seeing its own client gone, aborts the
   request and frees its KV blocks (chapter 9).
+- **A body over** ``--max-body-bytes`` (by default the server's own limit, and passed on to
+  spawned replicas): 413, before any replica sees it.
 
 The router keeps its own ``/health`` (200 while any replica is healthy) and ``/metrics``
 (``minillm_router:`` counters, and each replica's health and scraped load). Every answer
@@ -79,7 +81,7 @@ ROUTER = web.AppKey("router", RouterState)
 def create_router(urls: Sequence[str], config: RouterConfig) -> web.Application:
     """The router app over the replicas at ``urls``."""
     state = RouterState(ReplicaSet(urls, config.eject_after, config.readmit_after), make_policy(config.policy), config)
-    app = web.Application(client_max_size=16 << 20, middlewares=[openai_errors])
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[openai_errors])
     app[ROUTER] = state
     app.router.add_post("/v1/completions", proxy)
     app.router.add_post("/v1/chat/completions", proxy)

@@ -29,6 +29,7 @@ from server.launch import ServerProcess, stop_all
 from server.replicas import Replica, ReplicaSet, parse_load
 from server.router import ROUTER, _until_signalled, create_router, running, spawn_replicas
 from server.router_config import RouterConfig, parse_router_args
+from server.wire import MAX_BODY_BYTES
 from server.routing import (LeastOutstanding, LoadAware, PrefixAffinity, RoundRobin, affinity_key, make_policy)
 
 # ----------------------------------------------------------------------------- policies (pure)
@@ -136,12 +137,18 @@ def test_router_flags_are_checked_in_one_line(capsys, tmp_path) -> None:
                           (["--spawn", "1", "--health-interval", "0"], "--health-interval must be > 0"),
                           (["--spawn", "1", "--health-timeout", "1"],
                            r"--health-timeout \(1.0 s\) must be shorter than --health-interval \(1.0 s\)"),
+                          (["--spawn", "1", "--replica-args=--max-body-bytes 4MiB"],
+                           r"--max-body-bytes 4MiB \(4194304 bytes\), the router's --max-body-bytes is 1048576"),
                           (["--spawn", "1", "--replica-args", "'unclosed"], "--replica-args")):
         with pytest.raises(UsageError, match=message):
             parse_router_args(argv, {})
     with pytest.raises(SystemExit):
         parse_router_args(["--spawn", "1", "--policy", "fastest"], {})
     assert "invalid choice: 'fastest'" in capsys.readouterr().err
+    assert RouterConfig(spawn=1, replica_args="--device cpu").replica_flags() == ["--device", "cpu",
+                                                                                 "--max-body-bytes", "1048576"]
+    same = parse_router_args(["--spawn", "1", "--max-body-bytes", "4MiB", "--replica-args=--max-body-bytes=4MiB"], {})
+    assert same.max_body_bytes == 4 << 20 and same.replica_flags() == ["--max-body-bytes=4MiB"]
     with pytest.raises(UsageError, match="--checkpoint: no checkpoint at"):
         spawn_replicas(RouterConfig(spawn=1, checkpoint=str(tmp_path / "none.pt")))
 
@@ -393,6 +400,20 @@ def test_health_checks_give_up_after_the_health_timeout() -> None:
         async with router_over([hung, Fake()], health_interval=0.2, health_timeout=0.05) as (url, state, session):
             await until(lambda: not state.replicas.replicas[0].healthy and len(hung.health_waits) >= 2)
         assert max(hung.health_waits) < 0.5  # each gave up after about 0.05 s: not max(interval, 1 s)
+
+    run(main())
+
+
+def test_a_body_over_the_replicas_limit_is_the_routers_own_413() -> None:
+    async def main() -> None:
+        fake = Fake()
+        async with router_over([fake]) as (url, state, session):
+            async with session.post(f"{url}/v1/completions", json={"prompt": "x" * MAX_BODY_BYTES}) as response:
+                assert response.status == 413
+                assert (await response.json())["error"]["type"] == "invalid_request_error"
+            async with session.post(f"{url}/v1/completions", json={"prompt": "x" * 1000}) as response:
+                assert response.status == 200
+        assert len(fake.bodies) == 1  # the large one never reached it
 
     run(main())
 
