@@ -27,10 +27,13 @@ MAX_SPAWN = 16
 class RouterConfig:
     """Which replicas, how to pick one, and how hard to try.
 
-    ``max_attempts`` bounds how many replicas one request may try before its first token
-    (the first try included). ``health_interval`` is the seconds between active health checks,
-    and ``health_timeout`` how long one check may take: less than the interval, so that a
-    replica that stops answering is found out within one interval instead of piling up checks.
+    ``max_attempts`` bounds how many replicas one request may try while they do not take it
+    (refused connections, 429s, 503s; the first try included). ``health_interval`` is the
+    seconds between active health checks, and ``health_timeout`` how long one check may take:
+    less than the interval, so that a replica that stops answering is found out within one
+    interval instead of piling up checks.
+    ``first_byte_timeout`` is how long a replica has to send its status line and, for a stream,
+    its first event; past it the client gets a 504 (see :mod:`server.router`).
 
     ``max_body_bytes`` is the largest request body the router reads (413 beyond), by default
     the server's own default. Spawned replicas are given the same ``--max-body-bytes``; if
@@ -54,6 +57,7 @@ class RouterConfig:
     readmit_after: int = 2
     max_attempts: int = 3
     connect_timeout: float = 2.0
+    first_byte_timeout: float = 60.0
     max_body_bytes: int = MAX_BODY_BYTES
     shutdown_grace: float = 30.0
     log_level: str = "info"
@@ -72,6 +76,7 @@ class RouterConfig:
                   ("eject_after", self.eject_after >= 1, ">= 1"), ("readmit_after", self.readmit_after >= 1, ">= 1"),
                   ("max_attempts", self.max_attempts >= 1, ">= 1"),
                   ("connect_timeout", self.connect_timeout > 0, "> 0 seconds"),
+                  ("first_byte_timeout", self.first_byte_timeout > 0, "> 0 seconds"),
                   ("max_body_bytes", self.max_body_bytes > 0, "> 0 bytes"),
                   ("shutdown_grace", self.shutdown_grace >= 0, ">= 0 seconds")]
         for name, ok, rule in checks:
@@ -134,8 +139,10 @@ FLAGS = [
     ("--health-timeout", float, "seconds one health check may take (less than --health-interval)"),
     ("--eject-after", int, "failed health checks in a row that take a replica out"),
     ("--readmit-after", int, "passed health checks in a row that bring it back"),
-    ("--max-attempts", int, "replicas one request may try before its first token"),
+    ("--max-attempts", int, "replicas one request may try while they refuse it (connection refused, 429, 503)"),
     ("--connect-timeout", float, "seconds to wait for a replica to accept a connection"),
+    ("--first-byte-timeout", float, "seconds a replica has to send its status line and a stream's first event "
+                                    "(504 past it, not retried)"),
     ("--max-body-bytes", byte_size, "largest request body accepted (413 beyond), e.g. 1MiB; passed on to "
                                     "spawned replicas"),
     ("--shutdown-grace", float, "seconds in-flight requests may finish after SIGTERM"),

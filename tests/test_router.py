@@ -27,7 +27,7 @@ from minillm.cli import UsageError
 from server import router
 from server.launch import ServerProcess, stop_all
 from server.replicas import Replica, ReplicaSet, parse_load
-from server.router import ROUTER, _until_signalled, create_router, running, spawn_replicas
+from server.router import CLIENT_GONE, ROUTER, _until_signalled, create_router, running, spawn_replicas
 from server.router_config import RouterConfig, parse_router_args
 from server.wire import MAX_BODY_BYTES
 from server.routing import (LeastOutstanding, LoadAware, PrefixAffinity, RoundRobin, affinity_key, make_policy)
@@ -160,13 +160,23 @@ SEEN = web.AppKey("seen", dict)
 
 @dataclass
 class Fake:
-    """A replica that behaves as told: ``mode`` is ok | refuse | cut | stall. A stalled stream
-    sends its first event, then waits for the test to set ``release`` before the rest.
+    """A replica that behaves as told, by ``mode``:
+
+    - ok: answers (a stream: ``events`` events and ``[DONE]``); refuse: 429; fail: ``status``
+      with an error body;
+    - cut: a stream dies after two events; stall: a stream sends its first event, then waits
+      for the test to set ``release`` before the rest;
+    - late: sends nothing, not even its status line, until ``release``; silent: a stream sends
+      its status line, then nothing until ``release``;
+    - drop: the connection closes after the request arrives, with no answer (a stream: right
+      after its status line).
+
     ``hang_health``: ``/health`` never answers; ``health_waits`` gets how long each hung check
     waited before the router gave up on it."""
 
     mode: str = "ok"
     events: int = 3
+    status: int = 500
     healthy: bool = True
     hang_health: bool = False
     waiting: float = 0.0
@@ -186,21 +196,33 @@ def fake_app(fake: Fake) -> web.Application:
         fake.bodies.append(body)
         if fake.mode == "refuse":
             return web.json_response({"error": {"message": "busy", "code": "rate_limit_exceeded"}}, status=429)
+        if fake.mode == "fail":
+            return web.json_response({"error": {"message": "boom", "code": None}}, status=fake.status)
+        try:
+            return await answer(request, body)
+        except asyncio.CancelledError:
+            fake.cancelled.set()  # the server's handler saw its client (the router) leave
+            raise
+
+    async def answer(request: web.Request, body: dict) -> web.StreamResponse:
+        if fake.mode == "late":
+            await fake.release.wait()
+        if fake.mode == "drop" and not body.get("stream"):
+            request.transport.close()  # the process died before answering
+            await fake.release.wait()  # (cancelled: the connection is gone)
         if not body.get("stream"):
             return web.json_response({"choices": [{"text": "whole"}]})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        try:
-            for i in range(fake.events):
-                await response.write(chunk(f"t{i}"))
-                if fake.mode == "cut" and i == 1:
-                    request.transport.close()  # the process died: no more bytes, no [DONE]
-                    return response
-                if fake.mode == "stall" and i == 0:
-                    await fake.release.wait()
-        except asyncio.CancelledError:
-            fake.cancelled.set()  # the server's handler saw its client (the router) leave
-            raise
+        if fake.mode == "silent":
+            await fake.release.wait()
+        for i in range(fake.events):
+            if fake.mode == "drop" or (fake.mode == "cut" and i == 2):
+                request.transport.close()  # the process died: no more bytes, no [DONE]
+                return response
+            await response.write(chunk(f"t{i}"))
+            if fake.mode == "stall" and i == 0:
+                await fake.release.wait()
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -241,6 +263,29 @@ async def router_over(fakes: list[Fake | str], **options):
         url = await stack.enter_async_context(running(app, shutdown_grace=1))
         session = await stack.enter_async_context(aiohttp.ClientSession())
         yield url, app[ROUTER], session
+
+
+@contextlib.asynccontextmanager
+async def uncancelled_router(fakes: list[Fake | str], **options):
+    """As :func:`router_over`, but served without handler cancellation (``web.run_app``'s own
+    default), so a client that leaves is noticed only when a write to it fails. With
+    cancellation on, that is a race the cancellation can lose: when the replica's next event is
+    already in, the write comes first. Also yields ``client_left()``: True once the router has
+    seen every client connection it holds close."""
+    async with contextlib.AsyncExitStack() as stack:
+        urls = [f if isinstance(f, str) else await stack.enter_async_context(running(fake_app(f))) for f in fakes]
+        app = create_router(urls, RouterConfig(replicas=urls, health_interval=30, **options))
+        runner = web.AppRunner(app, handler_cancellation=False, access_log=None, shutdown_timeout=1)
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+
+        def client_left() -> bool:
+            held = runner.server.connections
+            return bool(held) and all(handler.transport is None for handler in held)
+
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}", app[ROUTER], session, client_left
 
 
 async def events(response: aiohttp.ClientResponse) -> list:
@@ -390,6 +435,82 @@ def test_load_aware_routing_reads_the_replicas_metrics() -> None:
                 async with session.post(f"{url}/v1/completions", json={"prompt": "x"}) as response:
                     assert response.status == 200
         assert (len(queued.bodies), len(idle.bodies)) == (0, 4)
+
+    run(main())
+
+
+def test_only_what_a_replica_did_not_start_is_retried() -> None:
+    async def main() -> None:
+        for status in (500, 502, 504):  # the replica took the request and failed: its answer, as it is
+            failing, other = Fake(mode="fail", status=status), Fake()
+            async with router_over([failing, other], policy="round-robin") as (url, state, session):
+                async with session.post(f"{url}/v1/completions", json={"prompt": "x"}) as response:
+                    assert response.status == status and (await response.json())["error"]["message"] == "boom"
+                assert not other.bodies and state.retries == 0 and state.replicas.replicas[0].healthy
+        for body in ({"prompt": "x"}, STREAM):  # the connection broke after the request was sent
+            dropping, other = Fake(mode="drop"), Fake()
+            async with router_over([dropping, other], policy="round-robin") as (url, state, session):
+                async with session.post(f"{url}/v1/completions", json=body) as response:
+                    assert response.status == 502 and (await response.json())["error"]["code"] == "replica_failed"
+                assert not other.bodies and state.retries == 0 and not state.replicas.replicas[0].healthy
+        refusing, other = Fake(mode="fail", status=503), Fake()  # a refusal: another replica takes it
+        async with router_over([refusing, other], policy="round-robin") as (url, state, session):
+            async with session.post(f"{url}/v1/completions", json={"prompt": "x"}) as response:
+                assert response.status == 200
+            assert len(other.bodies) == 1 and state.retries == 1 and not state.replicas.replicas[0].healthy
+
+    run(main())
+
+
+def test_a_silent_replica_is_a_504_and_an_abort_not_a_retry_or_an_ejection() -> None:
+    async def main() -> None:
+        for mode, body in (("late", {"prompt": "x"}), ("silent", STREAM)):  # no status line; no first event
+            slow, other = Fake(mode=mode), Fake()
+            async with router_over([slow, other], policy="round-robin", first_byte_timeout=0.2) as (url, state,
+                                                                                                      session):
+                async with session.post(f"{url}/v1/completions", json=body) as response:
+                    assert response.status == 504
+                    assert (await response.json())["error"]["code"] == "replica_timeout"
+                await slow.cancelled.wait()  # the router closed the connection: the replica aborts the request
+                replica = state.replicas.replicas[0]
+                assert replica.healthy and replica.errors == 1 and not other.bodies and state.retries == 0
+                assert dict(state.statuses) == {504: 1}
+
+    run(main())
+
+
+def test_a_client_leaving_mid_stream_is_not_the_replicas_failure() -> None:
+    """aiohttp (3.14) raises ClientConnectionResetError, a ClientConnectionError as well as a
+    ConnectionResetError, for a write to a client that has gone: caught together with the
+    replica's read errors, it ejected a healthy replica."""
+    async def main() -> None:
+        stalled = Fake(mode="stall")
+        async with uncancelled_router([stalled]) as (url, state, session, client_left):
+            response = await session.post(f"{url}/v1/completions", json=STREAM)
+            assert (await response.content.readuntil(b"\n\n")).startswith(b"data: ")
+            response.close()  # the client goes away mid-stream
+            await until(client_left)
+            stalled.release.set()  # the replica's next event meets a closed client
+            replica = state.replicas.replicas[0]
+            await until(lambda: replica.outstanding == 0)
+            assert replica.healthy and replica.errors == 0 and state.midstream_failures == 0
+            assert dict(state.statuses) == {CLIENT_GONE: 1}
+
+    run(main())
+
+
+def test_a_client_gone_before_the_first_event_is_neither_retried_nor_blamed() -> None:
+    async def main() -> None:
+        late, other = Fake(mode="late"), Fake()
+        async with uncancelled_router([late, other], policy="round-robin") as (url, state, session, client_left):
+            asking = asyncio.create_task(session.post(f"{url}/v1/completions", json=STREAM))
+            await until(lambda: late.bodies)  # the request reached the replica
+            asking.cancel()  # the client gives up before any answer
+            await until(client_left)
+            late.release.set()  # the first event is in: the router's status line meets a closed client
+            await until(lambda: state.statuses)
+            assert dict(state.statuses) == {CLIENT_GONE: 1} and not other.bodies and state.retries == 0
+            assert all(r.healthy and r.errors == 0 for r in state.replicas.replicas)
 
     run(main())
 
