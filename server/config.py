@@ -17,7 +17,8 @@ from minillm.cli import ArgumentParser, UsageError
 from minillm.engine.llm_engine import EngineConfig
 from minillm.quant import check_scheme
 from minillm.units import parse_memory, resolve_dtype
-from server.flags import LOG_LEVELS, add_env_flags, dataclass_defaults, env_name
+from server.flags import LOG_LEVELS, add_env_flags, byte_size, dataclass_defaults, env_name
+from server.wire import MAX_BODY_BYTES
 
 
 @dataclass
@@ -54,7 +55,7 @@ class ServerConfig:
     api_key: str | None = None
     served_model_name: str = "minillm"
     log_level: str = "info"
-    max_body_bytes: int = 1 << 20
+    max_body_bytes: int = MAX_BODY_BYTES
     shutdown_grace: float = 30.0
     stall_timeout: float = 60.0
     keep_alive_timeout: float = 15.0
@@ -127,13 +128,6 @@ def _scheme(text: str) -> str:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _bytes(text: str) -> int:
-    try:
-        return parse_memory(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
 # (flag, type, help) in the order --help shows them; the default comes from ServerConfig.
 FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     ("--checkpoint", str, "a checkpoint file, or the directory `python -m minillm.train --out` wrote "
@@ -157,7 +151,7 @@ FLAGS: list[tuple[str, Callable[[str], object], str]] = [
                        "browser (the dashboard) HTTP Basic auth with the key as the password"),
     ("--served-model-name", str, "the model name clients send and /v1/models lists"),
     ("--log-level", str.lower, "debug | info | warning | error"),
-    ("--max-body-bytes", _bytes, "largest request body accepted (413 beyond), e.g. 1MiB"),
+    ("--max-body-bytes", byte_size, "largest request body accepted (413 beyond), e.g. 1MiB"),
     ("--shutdown-grace", float, "seconds in-flight requests may finish after SIGTERM"),
     ("--stall-timeout", float, "seconds one engine step may run before /health answers 503"),
     ("--keep-alive-timeout", float, "seconds a connection may stay idle, or take to send a request's headers"),

@@ -1,7 +1,8 @@
 """Flags that environment variables can set too: ``--max-queue`` or ``MINILLM_MAX_QUEUE``.
 
 Shared by the server's and the router's settings. The router is a plain HTTP proxy that must
-start without torch, so this module imports only the standard library.
+start without torch, so this module imports only the standard library and :mod:`minillm.sizes`
+(which imports only the standard library).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, fields
 from typing import Callable, Mapping, Sequence
+
+from minillm.sizes import parse_memory
 
 ENV_PREFIX = "MINILLM_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -28,6 +31,14 @@ def switch_value(variable: str, text: str) -> bool:
         return SWITCH_VALUES[text.strip().lower()]
     except KeyError:
         raise ValueError(f"{variable} must be one of 1, true, yes, on, 0, false, no, off; got {text!r}") from None
+
+
+def byte_size(text: str) -> int:
+    """A size in bytes (``1MiB``, ``1048576``) for argparse: a bad one is argparse's one-line error."""
+    try:
+        return parse_memory(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def dataclass_defaults(cls: type) -> dict[str, object]:

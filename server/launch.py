@@ -4,7 +4,8 @@ The server picks a free port (``--port 0``) and prints its address in a banner o
 listens; :func:`start_server` waits for that line and for ``GET /health`` to answer 200, so
 the caller gets a URL it can use at once. A started server must also be stopped: the
 process is registered with ``atexit``, and :meth:`ServerProcess.stop` sends SIGTERM, which
-lets in-flight requests finish before the server exits 0.
+lets in-flight requests finish before the server exits 0; :func:`stop_all` stops several side
+by side, so that N servers take one grace period to stop, not N.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Sequence
 
 _BANNER = re.compile(r"serving .* at (http://\S+)")
 
@@ -29,6 +31,7 @@ class ServerProcess:
 
     def __init__(self, proc: subprocess.Popen, url: str, log: list[str]) -> None:
         self.proc, self.url, self.log = proc, url, log
+        self.terminating = False
 
     @property
     def pid(self) -> int:
@@ -37,23 +40,42 @@ class ServerProcess:
     def output(self) -> str:
         return "".join(self.log)
 
+    def terminate(self) -> None:
+        """Ask for a graceful shutdown (SIGTERM) without waiting for it. Sent once only: the
+        server takes a second SIGTERM as "stop now", as it does a second Ctrl+C."""
+        if self.proc.poll() is None and not self.terminating:
+            self.terminating = True
+            self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> int:
+        """Stop now, in-flight requests or not (SIGKILL), and reap the process."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self.proc.wait()
+
     def stop(self, grace: float = 30) -> int:
         """SIGTERM, then wait for the graceful exit; kill after ``grace`` + 10 s. Returns the
         exit status (0 after a clean shutdown). Safe to call twice."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=grace + 10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        self.terminate()
+        try:
+            return self.proc.wait(timeout=grace + 10)
+        except subprocess.TimeoutExpired:
+            return self.kill()
 
     def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def stop_all(servers: Sequence[ServerProcess], grace: float = 30) -> list[int]:
+    """Stop every server in ``servers``: SIGTERM to all of them first, then wait for each, so
+    they drain side by side and the whole takes one ``grace`` (+ 10 s), not one per server.
+    Returns their exit statuses."""
+    for server in servers:
+        server.terminate()
+    return [server.stop(grace) for server in servers]
 
 
 def start_server(checkpoint: str | Path, *flags: str, timeout: float = 300, env: dict | None = None) -> ServerProcess:

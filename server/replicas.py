@@ -8,9 +8,11 @@ Two kinds of evidence decide whether a replica gets traffic:
   prefix-cache hit rate. A replica is *ejected* after ``eject_after`` failed checks in a row
   and *re-admitted* after ``readmit_after`` passed checks in a row, so one slow answer does not
   flap it out and one lucky answer does not bring a broken replica back.
-- **Passive checks.** A request whose connection to a replica is refused or breaks ejects
-  that replica at once: that evidence is unambiguous, and waiting for the next check would
-  send it more requests to fail. The active checks re-admit it when it comes back.
+- **Passive checks.** A request whose connection to a replica is refused or breaks, or that
+  it answers 503 (shutting down), ejects that replica at once: that evidence is unambiguous,
+  and waiting for the next check would send it more requests to fail. The active checks
+  re-admit it when it comes back. A replica that is only slow (the router's first-byte
+  timeout) is counted, not ejected: whether it is wedged is for ``/health`` to say.
 
 Envoy calls the same two mechanisms active health checking and outlier detection.
 """
@@ -46,7 +48,7 @@ class Replica:
     passes: int = 0  # health checks passed in a row
     failures: int = 0  # health checks failed in a row
     requests: int = 0  # attempts sent to it
-    errors: int = 0  # attempts that failed before an answer (refused, reset, 5xx)
+    errors: int = 0  # attempts it failed: refused, broke, timed out, or answered 429 or 5xx
     ejections: int = 0
     readmissions: int = 0
 
@@ -131,8 +133,9 @@ class ReplicaSet:
     async def check_all(self, session: aiohttp.ClientSession, timeout: float) -> None:
         await asyncio.gather(*(self.check(session, r, timeout) for r in self.replicas))
 
-    async def keep_checking(self, session: aiohttp.ClientSession, interval: float) -> None:
-        """Check every replica every ``interval`` seconds, until cancelled."""
+    async def keep_checking(self, session: aiohttp.ClientSession, interval: float, timeout: float) -> None:
+        """Check every replica every ``interval`` seconds, each check given up after
+        ``timeout`` (shorter than the interval, so checks never pile up), until cancelled."""
         while True:
             await asyncio.sleep(interval)
-            await self.check_all(session, timeout=max(interval, 1.0))
+            await self.check_all(session, timeout)

@@ -5,19 +5,35 @@ A request goes: read the body -> the policy (:mod:`server.routing`) picks a heal
 event as they arrive, never buffered, so the client's time to first token is the replica's
 plus one hop.
 
-What can go wrong, and what the client sees:
+What can go wrong, and what the client sees. The router retries only what it knows a replica
+did not start: a retry of anything else could run the work twice, and a request that broke
+one replica (a query of death) would go on to break the next.
 
-- **Before the first token** (the replica refuses the connection, answers 429 or 5xx, or
-  its stream ends before any event): nothing has reached the client, so the router tries
-  another replica, up to ``--max-attempts`` in all; if none is left, a 502 or 503 in OpenAI's
-  error shape (or the last replica's own refusal, such as its 429).
+- **The replica did not take the request**: the connection was refused or not made within
+  ``--connect-timeout`` (the request never left), or it answered 429 or 503 (it refused before
+  doing anything). The router tries another replica, up to ``--max-attempts`` in all; if none
+  is left, a 502 or 503 in OpenAI's error shape (or the last replica's own refusal, such as
+  its 429). A connection that could not be made, or a 503 (our server: shutting down), ejects
+  the replica.
+- **The replica took it and failed before the first byte**: its own 500, 502 or 504 goes back
+  to the client as it is; a connection that breaks after the request was sent, or a stream
+  that ends before its first event, is a 502 and ejects the replica. No retry.
+- **The replica is silent**: no status line, or for a stream no first event, within
+  ``--first-byte-timeout``. The client gets a 504 (``replica_timeout``) and the upstream
+  connection is closed, so the replica aborts the request. No retry, and no ejection: a slow
+  answer is not a dead replica; a wedged one turns its ``/health`` to 503 (our server's
+  ``--stall-timeout``), and the active checks eject it.
 - **Mid-stream** (the replica dies after the first event): the tokens already sent cannot be
   taken back, so the stream ends with an OpenAI-style ``{"error": ...}`` event and
   ``data: [DONE]``: a client library raises it, and a user never mistakes a truncated answer
   for a finished one.
-- **The client leaves**: aiohttp cancels the handler (``handler_cancellation=True``), which
-  closes the upstream connection, and the replica, seeing its own client gone, aborts the
-  request and frees its KV blocks (chapter 9).
+- **The client leaves**: aiohttp cancels the handler (``handler_cancellation=True``), or, when
+  a write to the client fails before the cancellation lands, the router sees it there. Either
+  way the request counts as status 499, the upstream connection is closed, and the replica,
+  seeing its own client gone, aborts the request and frees its KV blocks (chapter 9). The
+  replica is not blamed: a write to the client says nothing about the replica.
+- **A body over** ``--max-body-bytes`` (by default the server's own limit, and passed on to
+  spawned replicas): 413, before any replica sees it.
 
 The router keeps its own ``/health`` (200 while any replica is healthy) and ``/metrics``
 (``minillm_router:`` counters, and each replica's health and scraped load). Every answer
@@ -44,7 +60,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from minillm.cli import UsageError, run
 from minillm.settings import preset_dir, resolve_checkpoint
-from server.launch import ServerProcess, start_server
+from server.launch import ServerProcess, start_server, stop_all
 from server.wire import OpenAIError, sse
 from server.replicas import Replica, ReplicaSet
 from server.router_config import RouterConfig, parse_router_args
@@ -52,10 +68,12 @@ from server.routing import Policy, affinity_key, make_policy
 
 log = logging.getLogger("server.router")
 
-RETRY_STATUSES = {429, 500, 502, 503, 504}  # a replica's refusal that another replica may not give
+RETRY_STATUSES = {429, 503}  # refusals: the replica did nothing, and another may not refuse
+NEVER_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)  # no connection, so no request
 FORWARDED_HEADERS = ("Content-Type", "Authorization", "Accept", "X-Request-Id")
 CLIENT_GONE = 499
 DONE = sse("[DONE]")
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @dataclass
@@ -78,7 +96,7 @@ ROUTER = web.AppKey("router", RouterState)
 def create_router(urls: Sequence[str], config: RouterConfig) -> web.Application:
     """The router app over the replicas at ``urls``."""
     state = RouterState(ReplicaSet(urls, config.eject_after, config.readmit_after), make_policy(config.policy), config)
-    app = web.Application(client_max_size=16 << 20, middlewares=[openai_errors])
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[openai_errors])
     app[ROUTER] = state
     app.router.add_post("/v1/completions", proxy)
     app.router.add_post("/v1/chat/completions", proxy)
@@ -94,8 +112,9 @@ async def _start(app: web.Application) -> None:
     """Open the upstream session, check every replica once, then keep checking."""
     state = app[ROUTER]
     state.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-    await state.replicas.check_all(state.session, timeout=max(state.config.health_interval, 1.0))
-    state.checker = asyncio.create_task(state.replicas.keep_checking(state.session, state.config.health_interval))
+    await state.replicas.check_all(state.session, state.config.health_timeout)
+    state.checker = asyncio.create_task(state.replicas.keep_checking(state.session, state.config.health_interval,
+                                                                     state.config.health_timeout))
 
 
 async def _stop(app: web.Application) -> None:
@@ -112,11 +131,19 @@ async def _stop(app: web.Application) -> None:
 
 
 class AttemptFailed(Exception):
-    """One replica could not answer this request; another may. ``response`` is what the client
+    """One replica did not take this request; another may. ``response`` is what the client
     gets if no other replica can: the replica's own refusal, or the router's 502."""
 
     def __init__(self, response: web.Response) -> None:
         super().__init__(response.status)
+        self.response = response
+
+
+class ClientGone(Exception):
+    """A write to the client failed: it has left. ``response`` is the handler's answer, begun."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        super().__init__(CLIENT_GONE)
         self.response = response
 
 
@@ -162,6 +189,9 @@ async def proxy(request: web.Request) -> web.StreamResponse:
             except AttemptFailed as failed:
                 last = failed.response
                 continue
+            except ClientGone as gone:
+                state.statuses[CLIENT_GONE] += 1
+                return gone.response
             state.statuses[response.status] += 1
             return response
     except asyncio.CancelledError:
@@ -180,63 +210,95 @@ def _json_or_none(body: bytes) -> object:
 
 async def _forward(request: web.Request, state: RouterState, replica: Replica, body: bytes,
                    headers: dict[str, str]) -> web.StreamResponse:
-    """One attempt on one replica. Raises :class:`AttemptFailed` when nothing has reached the
-    client yet and another replica may do better."""
+    """One attempt on one replica. Raises :class:`AttemptFailed` when the replica did not take
+    the request (no connection, or a 429 or 503) and another may; whatever else happens (its
+    answer, a 502 when it broke, a 504 when it was silent) is the client's answer."""
     replica.outstanding += 1
     replica.requests += 1
     upstream: aiohttp.ClientResponse | None = None
     reusable = False  # only a connection whose answer was read to the end goes back to the pool
+    first = data = b""
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=state.config.connect_timeout)
     try:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=state.config.connect_timeout)
-        upstream = await state.session.request(request.method, replica.url + request.path, data=body or None,
-                                               headers=headers, timeout=timeout)
-        if upstream.status in RETRY_STATUSES:
+        try:
+            async with asyncio.timeout(state.config.first_byte_timeout):
+                upstream = await state.session.request(request.method, replica.url + request.path,
+                                                       data=body or None, headers=headers, timeout=timeout)
+                if _is_stream(upstream):
+                    first = await _first_event(upstream)
+            if upstream.status in RETRY_STATUSES:
+                raise AttemptFailed(await _refusal(state, replica, upstream))
+            if not first:
+                data = await upstream.read()
+        except NEVER_SENT as err:
+            state.replicas.report_failure(replica, f"{type(err).__name__}: {err}")
+            raise AttemptFailed(openai_error(502, f"replica {replica.url} could not be reached: "
+                                                  f"{type(err).__name__}", "replica_failed")) from None
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:
+            state.replicas.report_failure(replica, f"{type(err).__name__}: {err}")
+            return openai_error(502, f"replica {replica.url} failed: {type(err).__name__}", "replica_failed")
+        except TimeoutError:  # the first-byte deadline (aiohttp's own timeouts are ClientConnectionErrors)
             replica.errors += 1
-            if upstream.status == 503:  # the replica says it is unavailable (our server: shutting down)
-                state.replicas.report_failure(replica, "it answered 503")
-            refusal = web.Response(body=await upstream.read(), status=upstream.status,
-                                   content_type=upstream.content_type, headers=_retry_after(upstream))
-            raise AttemptFailed(refusal)
-        if upstream.status == 200 and upstream.content_type == "text/event-stream":
-            first = await upstream.content.readuntil(b"\n\n")
-            if not first.endswith(b"\n\n"):
-                raise aiohttp.ClientPayloadError("the stream ended before its first event")
+            log.warning("replica %s sent nothing in %g s (--first-byte-timeout)", replica.url,
+                        state.config.first_byte_timeout)
+            return openai_error(504, f"replica {replica.url} sent nothing in {state.config.first_byte_timeout:g} s; "
+                                     "not retried, as it may have begun the work", "replica_timeout")
+        if first:
             return await _relay(request, state, replica, upstream, first)
-        response = web.Response(body=await upstream.read(), status=upstream.status, content_type=upstream.content_type,
-                                headers={"X-Replica": replica.url})
+        if upstream.status >= 500:  # its own failure, passed on as it is
+            replica.errors += 1
         reusable = True
-        return response
-    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as err:
-        state.replicas.report_failure(replica, f"{type(err).__name__}: {err}")
-        raise AttemptFailed(openai_error(502, f"replica {replica.url} failed: {type(err).__name__}",
-                                         "replica_failed")) from None
+        return web.Response(body=data, status=upstream.status, content_type=upstream.content_type,
+                            headers={"X-Replica": replica.url})
     finally:
         replica.outstanding -= 1
         if upstream is not None:  # closing a half-read answer is how the replica sees its client go
             upstream.release() if reusable else upstream.close()
 
 
-def _retry_after(upstream: aiohttp.ClientResponse) -> dict[str, str]:
-    return {"Retry-After": upstream.headers["Retry-After"]} if "Retry-After" in upstream.headers else {}
+def _is_stream(upstream: aiohttp.ClientResponse) -> bool:
+    return upstream.status == 200 and upstream.content_type == "text/event-stream"
+
+
+async def _first_event(upstream: aiohttp.ClientResponse) -> bytes:
+    first = await upstream.content.readuntil(b"\n\n")
+    if not first.endswith(b"\n\n"):
+        raise aiohttp.ClientPayloadError("the stream ended before its first event")
+    return first
+
+
+async def _refusal(state: RouterState, replica: Replica, upstream: aiohttp.ClientResponse) -> web.Response:
+    """A 429 or 503, as the client gets it if no other replica takes the request. A 503 ejects
+    the replica (our server answers it while shutting down); a 429 is load, not ill health."""
+    if upstream.status == 503:
+        state.replicas.report_failure(replica, "it answered 503")
+    else:
+        replica.errors += 1
+    retry_after = {"Retry-After": upstream.headers["Retry-After"]} if "Retry-After" in upstream.headers else {}
+    return web.Response(body=await upstream.read(), status=upstream.status, content_type=upstream.content_type,
+                        headers=retry_after)
 
 
 async def _relay(request: web.Request, state: RouterState, replica: Replica, upstream: aiohttp.ClientResponse,
                  first: bytes) -> web.StreamResponse:
     """Send the first event on, then every following event as it arrives. A stream that breaks,
-    or ends without ``data: [DONE]``, gets an error event instead of a silent end."""
+    or ends without ``data: [DONE]``, gets an error event instead of a silent end.
+
+    Reading from the replica and writing to the client fail for different reasons and are
+    caught apart: a failed read is the replica's fault (ejected); a failed write is the client
+    leaving (:class:`ClientGone`), which says nothing about the replica."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Replica": replica.url})
     if "X-Request-Id" in upstream.headers:
         response.headers["X-Request-Id"] = upstream.headers["X-Request-Id"]
-    await response.prepare(request)
     event = first
     try:
-        with contextlib.suppress(aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError):
-            while event.endswith(b"\n\n"):
-                await response.write(event)
-                if event == DONE:
-                    break
-                event = await upstream.content.readuntil(b"\n\n")
+        await response.prepare(request)
+        while event.endswith(b"\n\n"):
+            await response.write(event)
+            if event == DONE:
+                break
+            event = await _next_event(upstream)
         if event != DONE:
             state.midstream_failures += 1
             state.replicas.report_failure(replica, "its stream broke after the first event")
@@ -244,9 +306,18 @@ async def _relay(request: web.Request, state: RouterState, replica: Replica, ups
                                 "server_error", None, "replica_failed")
             await response.write(sse(error.body()) + DONE)
         await response.write_eof()
-    except ConnectionResetError:  # the client left between two writes
-        state.statuses[CLIENT_GONE] += 1
+    except ConnectionError:  # only writes get here (aiohttp's ClientConnectionResetError is one)
+        raise ClientGone(response) from None
     return response
+
+
+async def _next_event(upstream: aiohttp.ClientResponse) -> bytes:
+    """The replica's next event; what it sent before breaking (no blank line: not an event)
+    when its stream breaks or ends early."""
+    try:
+        return await upstream.content.readuntil(b"\n\n")
+    except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError):
+        return b""
 
 
 # ----------------------------------------------------------------------------- the router's own routes
@@ -276,7 +347,8 @@ class RouterCollector:
         for status, n in sorted(s.statuses.items()):
             requests.add_metric([str(status)], n)
         yield requests
-        yield CounterMetricFamily(p + "retries", "Attempts on another replica before the first token.", s.retries)
+        yield CounterMetricFamily(p + "retries", "Attempts on another replica after one did not take the request.",
+                                  s.retries)
         yield CounterMetricFamily(p + "midstream_failures", "Streams cut by a replica after their first event.",
                                   s.midstream_failures)
         per_replica = [
@@ -289,7 +361,8 @@ class RouterCollector:
             (GaugeMetricFamily, "replica_prefix_cache_hit_rate", "Its prefix-cache hit rate, as last scraped.",
              lambda r: r.prefix_hit_rate),
             (CounterMetricFamily, "replica_requests", "Attempts sent to it.", lambda r: r.requests),
-            (CounterMetricFamily, "replica_errors", "Attempts it failed before answering.", lambda r: r.errors),
+            (CounterMetricFamily, "replica_errors", "Attempts it failed: refused, broke, timed out, or answered 429 "
+             "or 5xx.", lambda r: r.errors),
             (CounterMetricFamily, "replica_ejections", "Times it was taken out of rotation.", lambda r: r.ejections),
         ]
         for kind, name, text, read in per_replica:
@@ -323,8 +396,7 @@ def spawn_replicas(config: RouterConfig) -> list[ServerProcess]:
         except RuntimeError as err:
             problems.append(str(err))
     if problems:
-        for server in started:
-            server.stop()
+        stop_all(started)
         raise UsageError(f"--spawn: a replica did not start: {problems[0]}")
     return started
 
@@ -344,11 +416,19 @@ async def running(app: web.Application, host: str = "127.0.0.1", port: int = 0,
 
 
 async def _until_signalled(app: web.Application, config: RouterConfig) -> None:
-    """Serve until SIGINT or SIGTERM, printing the address once listening."""
+    """Serve until SIGINT or SIGTERM, printing the address once listening. The first signal
+    removes the handlers, so a second Ctrl+C is Python's own KeyboardInterrupt: it stops at once
+    instead of waiting out the grace period (as the server does)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+
+    def on_signal() -> None:
+        stop.set()
+        for sig in SIGNALS:
+            loop.remove_signal_handler(sig)
+
+    for sig in SIGNALS:
+        loop.add_signal_handler(sig, on_signal)
     urls = ", ".join(r.url for r in app[ROUTER].replicas.replicas)
     async with running(app, config.host, config.port, config.shutdown_grace) as url:
         print(f"minillm router ({config.policy}) serving at {url} over {urls}   (Ctrl+C to stop)", flush=True)
@@ -365,9 +445,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         app = create_router(config.replicas + [s.url for s in spawned], config)
         asyncio.run(_until_signalled(app, config))
-    finally:
+    except KeyboardInterrupt:  # a second Ctrl+C: whoever pressed it will not wait out the replicas' grace
         for server in spawned:
-            server.stop()
+            server.kill()
+        raise  # minillm.cli.run prints "interrupted" and exits 130
+    finally:
+        stop_all(spawned)  # side by side; at once if they were killed
     return 0
 
 

@@ -34,7 +34,7 @@ import aiohttp
 
 from minillm.cli import ArgumentParser, run
 from minillm.settings import project_root, quick
-from server.launch import ServerProcess, start_server
+from server.launch import ServerProcess, start_server, stop_all
 from server.loadgen_client import LoadRun, LoadSpec, arrival_times, send_request
 from server.loadgen_stats import RequestResult, Summary, parse_slo, summarize
 from server.replicas import parse_load
@@ -136,7 +136,7 @@ async def policies_under_skew(urls: Sequence[str], size: BenchSizes) -> list[dic
     rows = []
     async with other_tenant(urls[0], size.tenant_requests, size.tenant_output_len):
         for policy in POLICIES:
-            async with routed(urls[:2], policy, health_interval=0.25) as (url, state):
+            async with routed(urls[:2], policy, health_interval=0.25, health_timeout=0.2) as (url, state):
                 summary = await LoadRun(size.spec(url)).run()
                 sent = [r.requests for r in state.replicas.replicas]
             rows.append({"policy": policy, **row(summary), "share to busy replica": sent[0] / sum(sent)})
@@ -281,8 +281,7 @@ def bench(checkpoint: str, size: BenchSizes | None = None) -> dict:
     try:
         results = asyncio.run(run_experiments(fleet, checkpoint, size))
     finally:
-        for server in fleet:
-            server.stop()
+        stop_all(fleet)
     return make_report(size, results)
 
 

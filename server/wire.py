@@ -10,6 +10,10 @@ import asyncio
 import json
 from typing import Any
 
+# The largest request body the server reads (413 beyond): ServerConfig's default, and the
+# router's, so that the router refuses at once what every replica behind it would refuse.
+MAX_BODY_BYTES = 1 << 20
+
 
 class OpenAIError(Exception):
     """An error answered in OpenAI's shape: ``{"error": {message, type, param, code}}``."""

@@ -11,7 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -19,9 +24,12 @@ import pytest
 from aiohttp import web
 
 from minillm.cli import UsageError
+from server import router
+from server.launch import ServerProcess, stop_all
 from server.replicas import Replica, ReplicaSet, parse_load
-from server.router import ROUTER, create_router, running, spawn_replicas
+from server.router import CLIENT_GONE, ROUTER, _until_signalled, create_router, running, spawn_replicas
 from server.router_config import RouterConfig, parse_router_args
+from server.wire import MAX_BODY_BYTES
 from server.routing import (LeastOutstanding, LoadAware, PrefixAffinity, RoundRobin, affinity_key, make_policy)
 
 # ----------------------------------------------------------------------------- policies (pure)
@@ -127,12 +135,20 @@ def test_router_flags_are_checked_in_one_line(capsys, tmp_path) -> None:
                           (["--replica", "h:1"], "--replica wants a URL"),
                           (["--spawn", "99"], "--spawn must be in 0..16"),
                           (["--spawn", "1", "--health-interval", "0"], "--health-interval must be > 0"),
+                          (["--spawn", "1", "--health-timeout", "1"],
+                           r"--health-timeout \(1.0 s\) must be shorter than --health-interval \(1.0 s\)"),
+                          (["--spawn", "1", "--replica-args=--max-body-bytes 4MiB"],
+                           r"--max-body-bytes 4MiB \(4194304 bytes\), the router's --max-body-bytes is 1048576"),
                           (["--spawn", "1", "--replica-args", "'unclosed"], "--replica-args")):
         with pytest.raises(UsageError, match=message):
             parse_router_args(argv, {})
     with pytest.raises(SystemExit):
         parse_router_args(["--spawn", "1", "--policy", "fastest"], {})
     assert "invalid choice: 'fastest'" in capsys.readouterr().err
+    assert RouterConfig(spawn=1, replica_args="--device cpu").replica_flags() == ["--device", "cpu",
+                                                                                 "--max-body-bytes", "1048576"]
+    same = parse_router_args(["--spawn", "1", "--max-body-bytes", "4MiB", "--replica-args=--max-body-bytes=4MiB"], {})
+    assert same.max_body_bytes == 4 << 20 and same.replica_flags() == ["--max-body-bytes=4MiB"]
     with pytest.raises(UsageError, match="--checkpoint: no checkpoint at"):
         spawn_replicas(RouterConfig(spawn=1, checkpoint=str(tmp_path / "none.pt")))
 
@@ -144,14 +160,28 @@ SEEN = web.AppKey("seen", dict)
 
 @dataclass
 class Fake:
-    """A replica that behaves as told: ``mode`` is ok | refuse | cut | stall. A stalled stream
-    sends its first event, then waits for the test to set ``release`` before the rest."""
+    """A replica that behaves as told, by ``mode``:
+
+    - ok: answers (a stream: ``events`` events and ``[DONE]``); refuse: 429; fail: ``status``
+      with an error body;
+    - cut: a stream dies after two events; stall: a stream sends its first event, then waits
+      for the test to set ``release`` before the rest;
+    - late: sends nothing, not even its status line, until ``release``; silent: a stream sends
+      its status line, then nothing until ``release``;
+    - drop: the connection closes after the request arrives, with no answer (a stream: right
+      after its status line).
+
+    ``hang_health``: ``/health`` never answers; ``health_waits`` gets how long each hung check
+    waited before the router gave up on it."""
 
     mode: str = "ok"
     events: int = 3
+    status: int = 500
     healthy: bool = True
+    hang_health: bool = False
     waiting: float = 0.0
     bodies: list = field(default_factory=list)
+    health_waits: list = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     release: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -166,26 +196,44 @@ def fake_app(fake: Fake) -> web.Application:
         fake.bodies.append(body)
         if fake.mode == "refuse":
             return web.json_response({"error": {"message": "busy", "code": "rate_limit_exceeded"}}, status=429)
+        if fake.mode == "fail":
+            return web.json_response({"error": {"message": "boom", "code": None}}, status=fake.status)
+        try:
+            return await answer(request, body)
+        except asyncio.CancelledError:
+            fake.cancelled.set()  # the server's handler saw its client (the router) leave
+            raise
+
+    async def answer(request: web.Request, body: dict) -> web.StreamResponse:
+        if fake.mode == "late":
+            await fake.release.wait()
+        if fake.mode == "drop" and not body.get("stream"):
+            request.transport.close()  # the process died before answering
+            await fake.release.wait()  # (cancelled: the connection is gone)
         if not body.get("stream"):
             return web.json_response({"choices": [{"text": "whole"}]})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        try:
-            for i in range(fake.events):
-                await response.write(chunk(f"t{i}"))
-                if fake.mode == "cut" and i == 1:
-                    request.transport.close()  # the process died: no more bytes, no [DONE]
-                    return response
-                if fake.mode == "stall" and i == 0:
-                    await fake.release.wait()
-        except asyncio.CancelledError:
-            fake.cancelled.set()  # the server's handler saw its client (the router) leave
-            raise
+        if fake.mode == "silent":
+            await fake.release.wait()
+        for i in range(fake.events):
+            if fake.mode == "drop" or (fake.mode == "cut" and i == 2):
+                request.transport.close()  # the process died: no more bytes, no [DONE]
+                return response
+            await response.write(chunk(f"t{i}"))
+            if fake.mode == "stall" and i == 0:
+                await fake.release.wait()
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
     async def health(request: web.Request) -> web.Response:
+        if fake.hang_health:
+            start = time.monotonic()
+            try:
+                await asyncio.Event().wait()  # never set: only the router giving up ends it
+            finally:
+                fake.health_waits.append(time.monotonic() - start)
         return web.json_response({}, status=200 if fake.healthy else 503)
 
     async def metrics(request: web.Request) -> web.Response:
@@ -215,6 +263,29 @@ async def router_over(fakes: list[Fake | str], **options):
         url = await stack.enter_async_context(running(app, shutdown_grace=1))
         session = await stack.enter_async_context(aiohttp.ClientSession())
         yield url, app[ROUTER], session
+
+
+@contextlib.asynccontextmanager
+async def uncancelled_router(fakes: list[Fake | str], **options):
+    """As :func:`router_over`, but served without handler cancellation (``web.run_app``'s own
+    default), so a client that leaves is noticed only when a write to it fails. With
+    cancellation on, that is a race the cancellation can lose: when the replica's next event is
+    already in, the write comes first. Also yields ``client_left()``: True once the router has
+    seen every client connection it holds close."""
+    async with contextlib.AsyncExitStack() as stack:
+        urls = [f if isinstance(f, str) else await stack.enter_async_context(running(fake_app(f))) for f in fakes]
+        app = create_router(urls, RouterConfig(replicas=urls, health_interval=30, **options))
+        runner = web.AppRunner(app, handler_cancellation=False, access_log=None, shutdown_timeout=1)
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+
+        def client_left() -> bool:
+            held = runner.server.connections
+            return bool(held) and all(handler.transport is None for handler in held)
+
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}", app[ROUTER], session, client_left
 
 
 async def events(response: aiohttp.ClientResponse) -> list:
@@ -334,7 +405,7 @@ def test_a_client_leaving_the_router_cancels_the_request_on_the_replica() -> Non
 def test_health_checks_eject_and_readmit_and_no_replica_is_a_503() -> None:
     async def main() -> None:
         a, b = Fake(), Fake()
-        async with router_over([a, b], health_interval=0.05) as (url, state, session):
+        async with router_over([a, b], health_interval=0.1, health_timeout=0.08) as (url, state, session):
             ra, rb = state.replicas.replicas
             a.healthy = b.healthy = False
             await until(lambda: not ra.healthy and not rb.healthy)
@@ -366,6 +437,167 @@ def test_load_aware_routing_reads_the_replicas_metrics() -> None:
         assert (len(queued.bodies), len(idle.bodies)) == (0, 4)
 
     run(main())
+
+
+def test_only_what_a_replica_did_not_start_is_retried() -> None:
+    async def main() -> None:
+        for status in (500, 502, 504):  # the replica took the request and failed: its answer, as it is
+            failing, other = Fake(mode="fail", status=status), Fake()
+            async with router_over([failing, other], policy="round-robin") as (url, state, session):
+                async with session.post(f"{url}/v1/completions", json={"prompt": "x"}) as response:
+                    assert response.status == status and (await response.json())["error"]["message"] == "boom"
+                assert not other.bodies and state.retries == 0 and state.replicas.replicas[0].healthy
+        for body in ({"prompt": "x"}, STREAM):  # the connection broke after the request was sent
+            dropping, other = Fake(mode="drop"), Fake()
+            async with router_over([dropping, other], policy="round-robin") as (url, state, session):
+                async with session.post(f"{url}/v1/completions", json=body) as response:
+                    assert response.status == 502 and (await response.json())["error"]["code"] == "replica_failed"
+                assert not other.bodies and state.retries == 0 and not state.replicas.replicas[0].healthy
+        refusing, other = Fake(mode="fail", status=503), Fake()  # a refusal: another replica takes it
+        async with router_over([refusing, other], policy="round-robin") as (url, state, session):
+            async with session.post(f"{url}/v1/completions", json={"prompt": "x"}) as response:
+                assert response.status == 200
+            assert len(other.bodies) == 1 and state.retries == 1 and not state.replicas.replicas[0].healthy
+
+    run(main())
+
+
+def test_a_silent_replica_is_a_504_and_an_abort_not_a_retry_or_an_ejection() -> None:
+    async def main() -> None:
+        for mode, body in (("late", {"prompt": "x"}), ("silent", STREAM)):  # no status line; no first event
+            slow, other = Fake(mode=mode), Fake()
+            async with router_over([slow, other], policy="round-robin", first_byte_timeout=0.2) as (url, state,
+                                                                                                      session):
+                async with session.post(f"{url}/v1/completions", json=body) as response:
+                    assert response.status == 504
+                    assert (await response.json())["error"]["code"] == "replica_timeout"
+                await slow.cancelled.wait()  # the router closed the connection: the replica aborts the request
+                replica = state.replicas.replicas[0]
+                assert replica.healthy and replica.errors == 1 and not other.bodies and state.retries == 0
+                assert dict(state.statuses) == {504: 1}
+
+    run(main())
+
+
+def test_a_client_leaving_mid_stream_is_not_the_replicas_failure() -> None:
+    """aiohttp (3.14) raises ClientConnectionResetError, a ClientConnectionError as well as a
+    ConnectionResetError, for a write to a client that has gone: caught together with the
+    replica's read errors, it ejected a healthy replica."""
+    async def main() -> None:
+        stalled = Fake(mode="stall")
+        async with uncancelled_router([stalled]) as (url, state, session, client_left):
+            response = await session.post(f"{url}/v1/completions", json=STREAM)
+            assert (await response.content.readuntil(b"\n\n")).startswith(b"data: ")
+            response.close()  # the client goes away mid-stream
+            await until(client_left)
+            stalled.release.set()  # the replica's next event meets a closed client
+            replica = state.replicas.replicas[0]
+            await until(lambda: replica.outstanding == 0)
+            assert replica.healthy and replica.errors == 0 and state.midstream_failures == 0
+            assert dict(state.statuses) == {CLIENT_GONE: 1}
+
+    run(main())
+
+
+def test_a_client_gone_before_the_first_event_is_neither_retried_nor_blamed() -> None:
+    async def main() -> None:
+        late, other = Fake(mode="late"), Fake()
+        async with uncancelled_router([late, other], policy="round-robin") as (url, state, session, client_left):
+            asking = asyncio.create_task(session.post(f"{url}/v1/completions", json=STREAM))
+            await until(lambda: late.bodies)  # the request reached the replica
+            asking.cancel()  # the client gives up before any answer
+            await until(client_left)
+            late.release.set()  # the first event is in: the router's status line meets a closed client
+            await until(lambda: state.statuses)
+            assert dict(state.statuses) == {CLIENT_GONE: 1} and not other.bodies and state.retries == 0
+            assert all(r.healthy and r.errors == 0 for r in state.replicas.replicas)
+
+    run(main())
+
+
+def test_health_checks_give_up_after_the_health_timeout() -> None:
+    async def main() -> None:
+        hung = Fake(hang_health=True)
+        async with router_over([hung, Fake()], health_interval=0.2, health_timeout=0.05) as (url, state, session):
+            await until(lambda: not state.replicas.replicas[0].healthy and len(hung.health_waits) >= 2)
+        assert max(hung.health_waits) < 0.5  # each gave up after about 0.05 s: not max(interval, 1 s)
+
+    run(main())
+
+
+def test_a_body_over_the_replicas_limit_is_the_routers_own_413() -> None:
+    async def main() -> None:
+        fake = Fake()
+        async with router_over([fake]) as (url, state, session):
+            async with session.post(f"{url}/v1/completions", json={"prompt": "x" * MAX_BODY_BYTES}) as response:
+                assert response.status == 413
+                assert (await response.json())["error"]["type"] == "invalid_request_error"
+            async with session.post(f"{url}/v1/completions", json={"prompt": "x" * 1000}) as response:
+                assert response.status == 200
+        assert len(fake.bodies) == 1  # the large one never reached it
+
+    run(main())
+
+
+# ----------------------------------------------------------------------------- stopping
+
+SLOW_TO_STOP = ("import signal, sys, time\n"
+                "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1), sys.exit(0)))\n"
+                "print('ready', flush=True)\n"
+                "time.sleep(60)\n")
+
+
+@contextlib.contextmanager
+def slow_to_stop(n: int):
+    """``n`` child processes that each take 1 s to exit after SIGTERM, as servers draining their
+    requests do, wrapped as :class:`ServerProcess` es; yielded once their handlers are in place."""
+    procs = [subprocess.Popen([sys.executable, "-c", SLOW_TO_STOP], stdout=subprocess.PIPE, text=True)
+             for _ in range(n)]
+    try:
+        for proc in procs:
+            assert proc.stdout.readline() == "ready\n"
+        yield [ServerProcess(proc, f"http://127.0.0.1:{9000 + i}", []) for i, proc in enumerate(procs)]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
+
+
+def test_stop_all_stops_servers_side_by_side() -> None:
+    with slow_to_stop(3) as servers:
+        start = time.monotonic()
+        assert stop_all(servers, grace=5) == [0, 0, 0]  # each exited through its handler: gracefully
+        assert time.monotonic() - start < 2.5  # one after another takes 3 s
+
+
+def test_the_first_signal_removes_the_handlers_so_a_second_interrupts() -> None:
+    async def main() -> None:
+        before = signal.getsignal(signal.SIGTERM)
+        async with running(fake_app(Fake())) as replica:
+            config = RouterConfig(replicas=[replica], port=0, shutdown_grace=0)
+            serving = asyncio.create_task(_until_signalled(create_router([replica], config), config))
+            await until(lambda: signal.getsignal(signal.SIGTERM) is not before)  # its handlers are in
+            os.kill(os.getpid(), signal.SIGTERM)
+            await serving
+            assert signal.getsignal(signal.SIGTERM) is before
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)  # the signal interrupts this at once (or landed already)
+
+    run(main())
+
+
+def test_a_second_ctrl_c_kills_the_spawned_replicas_at_once(monkeypatch) -> None:
+    async def interrupted(app: web.Application, config: RouterConfig) -> None:
+        raise KeyboardInterrupt  # what a second Ctrl+C does while the router drains
+
+    with slow_to_stop(2) as servers:
+        monkeypatch.setattr(router, "spawn_replicas", lambda config: servers)
+        monkeypatch.setattr(router, "_until_signalled", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            router.main(["--spawn", "2"])
+        assert [s.proc.returncode for s in servers] == [-signal.SIGKILL] * 2  # killed, not 1 s of grace each
 
 
 def test_the_shared_prefix_workload_shares_exactly_its_prefixes() -> None:

@@ -17,6 +17,7 @@ import torch
 from minillm.checkpoint import save_checkpoint
 from minillm.config import ModelConfig
 from minillm.model import GPT
+from server.launch import stop_all
 from server.replicas import parse_load
 from server.router import ROUTER, create_router, running, spawn_replicas
 from server.router_config import RouterConfig
@@ -31,8 +32,7 @@ def replicas(tmp_path_factory):
     config = RouterConfig(spawn=2, checkpoint=str(path), replica_args="--device cpu --kv-cache-memory 16MiB")
     servers = spawn_replicas(config)
     yield [s.url for s in servers]
-    for server in servers:
-        assert server.stop() == 0
+    assert stop_all(servers) == [0, 0]
 
 
 def abort_count(metrics: str) -> float:
@@ -41,7 +41,7 @@ def abort_count(metrics: str) -> float:
 
 
 async def _through_the_router(urls: list[str]) -> None:
-    config = RouterConfig(replicas=urls, policy="prefix", health_interval=0.2)
+    config = RouterConfig(replicas=urls, policy="prefix")
     app = create_router(urls, config)
     story = "Once upon a time there was a little dog who lived by the sea with his friend the cat, and every day"
     body = {"prompt": story * 2, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
