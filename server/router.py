@@ -61,10 +61,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from minillm.cli import UsageError, run
 from minillm.settings import preset_dir, resolve_checkpoint
 from server.launch import ServerProcess, start_server, stop_all
-from server.wire import OpenAIError, sse
+from server.connections import connection_room, limit_connections
 from server.replicas import Replica, ReplicaSet
 from server.router_config import RouterConfig, parse_router_args
 from server.routing import Policy, affinity_key, make_policy
+from server.wire import OpenAIError, read_body, sse, write_within
 
 log = logging.getLogger("server.router")
 
@@ -170,7 +171,7 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
 async def proxy(request: web.Request) -> web.StreamResponse:
     """Forward to replicas chosen by the policy until one answers, at most ``max_attempts``."""
     state = request.app[ROUTER]
-    body = await request.read()
+    body = await read_body(request, state.config.client_timeout)
     key = affinity_key(_json_or_none(body))
     headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
     tried: list[Replica] = []
@@ -295,7 +296,7 @@ async def _relay(request: web.Request, state: RouterState, replica: Replica, ups
     try:
         await response.prepare(request)
         while event.endswith(b"\n\n"):
-            await response.write(event)
+            await write_within(request, response, event, state.config.client_timeout)
             if event == DONE:
                 break
             event = await _next_event(upstream)
@@ -304,9 +305,9 @@ async def _relay(request: web.Request, state: RouterState, replica: Replica, ups
             state.replicas.report_failure(replica, "its stream broke after the first event")
             error = OpenAIError(502, f"replica {replica.url} failed mid-stream; the answer is incomplete",
                                 "server_error", None, "replica_failed")
-            await response.write(sse(error.body()) + DONE)
-        await response.write_eof()
-    except ConnectionError:  # only writes get here (aiohttp's ClientConnectionResetError is one)
+            await write_within(request, response, sse(error.body()) + DONE, state.config.client_timeout)
+        await write_within(request, response, None, state.config.client_timeout)
+    except ConnectionError:  # only writes get here: the client left or stopped reading (write_within)
         raise ClientGone(response) from None
     return response
 
@@ -402,12 +403,17 @@ def spawn_replicas(config: RouterConfig) -> list[ServerProcess]:
 
 
 @contextlib.asynccontextmanager
-async def running(app: web.Application, host: str = "127.0.0.1", port: int = 0,
-                  shutdown_grace: float = 30.0) -> AsyncIterator[str]:
+async def running(app: web.Application, host: str = "127.0.0.1", port: int = 0, shutdown_grace: float = 30.0,
+                  keep_alive_timeout: float = 15.0, max_connections: int | None = None) -> AsyncIterator[str]:
     """Serve ``app`` on the running event loop (a notebook's, a test's) and yield its URL;
-    on exit, in-flight requests get ``shutdown_grace`` seconds, then the app is cleaned up."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_grace)
+    on exit, in-flight requests get ``shutdown_grace`` seconds, then the app is cleaned up.
+    A connection must send a request's head within ``keep_alive_timeout``; past
+    ``max_connections`` open ones, a new one gets a 503 (:mod:`server.connections`)."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_grace,
+                           keepalive_timeout=keep_alive_timeout)
     await runner.setup()
+    if max_connections is not None:
+        limit_connections(runner.server, connection_room(max_connections))
     try:
         await web.TCPSite(runner, host, port).start()
         yield f"http://{host}:{runner.addresses[0][1]}"
@@ -430,7 +436,8 @@ async def _until_signalled(app: web.Application, config: RouterConfig) -> None:
     for sig in SIGNALS:
         loop.add_signal_handler(sig, on_signal)
     urls = ", ".join(r.url for r in app[ROUTER].replicas.replicas)
-    async with running(app, config.host, config.port, config.shutdown_grace) as url:
+    async with running(app, config.host, config.port, config.shutdown_grace, config.keep_alive_timeout,
+                       config.max_connections) as url:
         print(f"minillm router ({config.policy}) serving at {url} over {urls}   (Ctrl+C to stop)", flush=True)
         await stop.wait()
 

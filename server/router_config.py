@@ -42,6 +42,10 @@ class RouterConfig:
     reach a replica that accepts it. Refusing the mismatch, rather than quietly taking one of the
     two, keeps the user from believing the one that lost. (Replicas given by ``--replica`` URL
     run with whatever limit they were started with; the router cannot see it.)
+
+    Towards its own clients the router keeps the server's rules (:mod:`server.config`): a
+    request's head within ``keep_alive_timeout``, its body and each write of a stream within
+    ``client_timeout``, at most ``max_connections`` open at once.
     """
 
     replicas: list[str] = field(default_factory=list)
@@ -59,6 +63,9 @@ class RouterConfig:
     connect_timeout: float = 2.0
     first_byte_timeout: float = 60.0
     max_body_bytes: int = MAX_BODY_BYTES
+    keep_alive_timeout: float = 15.0
+    client_timeout: float = 30.0
+    max_connections: int = 2048
     shutdown_grace: float = 30.0
     log_level: str = "info"
 
@@ -78,6 +85,9 @@ class RouterConfig:
                   ("connect_timeout", self.connect_timeout > 0, "> 0 seconds"),
                   ("first_byte_timeout", self.first_byte_timeout > 0, "> 0 seconds"),
                   ("max_body_bytes", self.max_body_bytes > 0, "> 0 bytes"),
+                  ("keep_alive_timeout", self.keep_alive_timeout > 0, "> 0 seconds"),
+                  ("client_timeout", self.client_timeout > 0, "> 0 seconds"),
+                  ("max_connections", self.max_connections >= 1, ">= 1"),
                   ("shutdown_grace", self.shutdown_grace >= 0, ">= 0 seconds")]
         for name, ok, rule in checks:
             if not ok:
@@ -143,6 +153,10 @@ FLAGS = [
     ("--connect-timeout", float, "seconds to wait for a replica to accept a connection"),
     ("--first-byte-timeout", float, "seconds a replica has to send its status line and a stream's first event "
                                     "(504 past it, not retried)"),
+    ("--keep-alive-timeout", float, "seconds a client connection may stay idle, or take to send its headers"),
+    ("--client-timeout", float, "seconds a client's body may take to arrive (408 beyond), and one write of a "
+                                "stream to it to leave (the stream is then cut)"),
+    ("--max-connections", int, "most open client connections; more are answered 503 and closed"),
     ("--max-body-bytes", byte_size, "largest request body accepted (413 beyond), e.g. 1MiB; passed on to "
                                     "spawned replicas"),
     ("--shutdown-grace", float, "seconds in-flight requests may finish after SIGTERM"),

@@ -57,17 +57,23 @@ async def write_within(request: Any, response: Any, data: bytes | None, timeout:
         raise ConnectionResetError(f"the client read nothing for {timeout:g} s") from None
 
 
-async def read_json(request: Any, timeout: float) -> object:
-    """A request's body as JSON, or a 4xx: a charset Python does not know (415), bytes that
-    are not that charset, text that is not JSON, or JSON nested too deeply to parse (400); or
-    a body that takes more than ``timeout`` to arrive (408: a client dribbling bytes would
-    otherwise hold a connection and a handler for as long as it likes)."""
+async def read_body(request: Any, timeout: float) -> bytes:
+    """A request's body, bounded by the app's ``client_max_size`` (413 past it) and in time: a
+    body that takes more than ``timeout`` to arrive is a 408, since a client dribbling bytes
+    would otherwise hold a connection and a handler for as long as it likes."""
     try:
         async with asyncio.timeout(timeout):
-            body = await request.read()  # bounded by the app's client_max_size (413 past it)
+            return await request.read()
     except TimeoutError:
         raise OpenAIError(408, f"the request body did not arrive within {timeout:g} s", "invalid_request_error",
                           None, "request_timeout", {"Connection": "close"}) from None
+
+
+async def read_json(request: Any, timeout: float) -> object:
+    """A request's body (:func:`read_body`) as JSON, or a 4xx: a charset Python does not know
+    (415), bytes that are not that charset, text that is not JSON, or JSON nested too deeply to
+    parse (400)."""
+    body = await read_body(request, timeout)
     charset = request.charset or "utf-8"
     try:
         text = body.decode(charset)

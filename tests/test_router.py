@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
@@ -172,10 +173,11 @@ class Fake:
       after its status line).
 
     ``hang_health``: ``/health`` never answers; ``health_waits`` gets how long each hung check
-    waited before the router gave up on it."""
+    waited before the router gave up on it. ``padding``: characters added to each event's text."""
 
     mode: str = "ok"
     events: int = 3
+    padding: int = 0
     status: int = 500
     healthy: bool = True
     hang_health: bool = False
@@ -220,7 +222,7 @@ def fake_app(fake: Fake) -> web.Application:
             if fake.mode == "drop" or (fake.mode == "cut" and i == 2):
                 request.transport.close()  # the process died: no more bytes, no [DONE]
                 return response
-            await response.write(chunk(f"t{i}"))
+            await response.write(chunk(f"t{i}" + "x" * fake.padding))
             if fake.mode == "stall" and i == 0:
                 await fake.release.wait()
         await response.write(b"data: [DONE]\n\n")
@@ -495,6 +497,29 @@ def test_a_client_leaving_mid_stream_is_not_the_replicas_failure() -> None:
             await until(lambda: replica.outstanding == 0)
             assert replica.healthy and replica.errors == 0 and state.midstream_failures == 0
             assert dict(state.statuses) == {CLIENT_GONE: 1}
+
+    run(main())
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_the_replica_told() -> None:
+    """A client that opens a stream through the router and never reads: once the buffers are
+    full the router's write waits; past --client-timeout the router drops the client, as one
+    that left, and closes the replica's stream (the replica sees its client go)."""
+    async def main() -> None:
+        flood = Fake(mode="ok", events=400, padding=2**16)  # 26 MB: more than loopback buffers
+        async with router_over([flood], client_timeout=0.3) as (url, state, _):
+            address = urlsplit(url)
+            with socket.socket() as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                sock.connect((address.hostname, address.port))
+                body = json.dumps(STREAM).encode()
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                await until(lambda: state.statuses)  # ... and never a byte read
+                assert dict(state.statuses) == {CLIENT_GONE: 1}
+                await asyncio.wait_for(flood.cancelled.wait(), 5)
+            replica = state.replicas.replicas[0]
+            assert replica.healthy and replica.errors == 0
 
     run(main())
 
