@@ -26,6 +26,7 @@ Chapter 15's router, a proxy with the same API in front of several servers
 - ``router_config``: its flags, or ``MINILLM_ROUTER_*`` environment variables.
 - ``routing``: the policies (round-robin, least outstanding, load-aware, prefix affinity).
 - ``replicas``: each replica's health, ejection and re-admission, and its scraped load.
-- ``router``: the aiohttp app: relaying streams, retries before the first token, error events.
+- ``router``: ``python -m server.router``: the app, its own /health and /metrics, spawned replicas.
+- ``router_proxy``: one request forwarded until a replica takes it, relayed, its failures reported.
 - ``router_bench``: ``python -m server.router_bench``: replicas, policies and failover, measured.
 """

@@ -23,7 +23,6 @@ import asyncio
 import base64
 import binascii
 import hmac
-import json
 import logging
 import time
 import uuid

@@ -28,7 +28,8 @@ from minillm.cli import UsageError
 from server import router
 from server.launch import ServerProcess, stop_all
 from server.replicas import Replica, ReplicaSet, parse_load
-from server.router import CLIENT_GONE, ROUTER, _until_signalled, create_router, running, spawn_replicas
+from server.router import ROUTER, _until_signalled, create_router, running, spawn_replicas
+from server.router_proxy import CLIENT_GONE
 from server.router_config import RouterConfig, parse_router_args
 from server.wire import MAX_BODY_BYTES
 from server.routing import (LeastOutstanding, LoadAware, PrefixAffinity, RoundRobin, affinity_key, make_policy)
