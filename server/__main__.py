@@ -77,7 +77,8 @@ def banner(config: ServerConfig, port: int, *notes: str) -> str:
     curl_auth, client_key, key_note = "", ', api_key="none"', ""
     if config.api_key:
         curl_auth, client_key = ' -H "Authorization: Bearer $OPENAI_API_KEY"', ""
-        key_note = "  (an API key is required: export OPENAI_API_KEY=<the key> where the client runs)\n"
+        key_note = ("  (an API key is required: export OPENAI_API_KEY=<the key> where the client runs; "
+                    "the dashboard asks for it as a password)\n")
     return f"""
 minillm is serving {name!r} at {url}   (Ctrl+C to stop)
 {key_note}{"".join(f"  {note}{chr(10)}" for note in notes if note)}

@@ -226,6 +226,7 @@ def test_build_reports_a_missing_checkpoint_in_one_line(tmp_path: Path) -> None:
     text = banner(ServerConfig(api_key="sekrit"), 8123)
     assert "http://127.0.0.1:8123/v1/completions" in text and "Bearer $OPENAI_API_KEY" in text
     assert 'base_url="http://127.0.0.1:8123/v1"' in text and "sekrit" not in text
+    assert "the dashboard asks for it as a password" in text
 
 
 def test_sigterm_during_a_stream_lets_it_finish_and_exits_0(tmp_path: Path) -> None:
