@@ -284,7 +284,7 @@ def test_whatever_the_body_the_answer_is_200_or_a_json_4xx(model: GPT) -> None:
     with background_server(model) as (url, app):
         seen: dict[int, int] = {}
 
-        @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+        @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
         @given(request=st.sampled_from(sorted(PROMPTS)).flatmap(lambda path: st.tuples(st.just(path), bodies(path))),
                raw=st.none() | st.none() | st.binary(max_size=30))
         def check(request: tuple[str, dict], raw: bytes | None) -> None:
