@@ -19,6 +19,7 @@ Around it, chapter 10's tools:
 - ``dashboard``: the live page at ``/`` and its event stream, one encoding per tick for every page.
 - ``traffic_panel``: the page's bounded load, one run at a time, for the page's own origin only.
 - ``launch``: start ``python -m server`` as a child process (chapters 9, 10 and 15, the tests).
+- ``signals``: the first SIGINT or SIGTERM stops gracefully, a second at once (server and router).
 
 Chapter 15's router, a proxy with the same API in front of several servers
 (``python -m server.router``):

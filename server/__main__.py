@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from typing import Callable, Sequence
 
 from aiohttp import web
@@ -27,6 +26,7 @@ from minillm.train import load_or_train
 from server.app import STATE, create_app
 from server.config import ServerConfig, parse_args
 from server.connections import connection_room, limit_connections
+from server.signals import stop_on_signals
 
 log = logging.getLogger("server")
 
@@ -113,15 +113,10 @@ async def serve(app: web.Application, config: ServerConfig, stop: asyncio.Event,
         await runner.cleanup()
 
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
 async def _serve_until_signalled(app: web.Application, config: ServerConfig, notes: list[str]) -> bool:
     """Serve until the first SIGINT or SIGTERM, or until the engine loop crashes; True in the
-    last case. The signal handlers are removed after the first, so a second Ctrl+C stops at
-    once instead of waiting out the grace period."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
+    last case. A second Ctrl+C stops at once (:mod:`server.signals`)."""
+    stop = stop_on_signals()
     crashed = False
 
     def on_crash() -> None:
@@ -130,14 +125,6 @@ async def _serve_until_signalled(app: web.Application, config: ServerConfig, not
         stop.set()
 
     app[STATE].engine.on_crash = on_crash
-
-    def on_signal() -> None:
-        stop.set()
-        for sig in SIGNALS:
-            loop.remove_signal_handler(sig)
-
-    for sig in SIGNALS:
-        loop.add_signal_handler(sig, on_signal)
     await serve(app, config, stop, lambda port: print(banner(config, port, *notes), flush=True))
     return crashed
 

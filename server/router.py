@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Iterator, Sequence
@@ -35,11 +34,9 @@ from server.replicas import ReplicaSet
 from server.router_config import RouterConfig, parse_router_args
 from server.router_proxy import ROUTER, RouterState, openai_errors, proxy
 from server.routing import make_policy
+from server.signals import stop_on_signals
 
 log = logging.getLogger("server.router")
-
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
 
 def create_router(urls: Sequence[str], config: RouterConfig) -> web.Application:
     """The router app over the replicas at ``urls``."""
@@ -176,19 +173,9 @@ async def running(app: web.Application, host: str = "127.0.0.1", port: int = 0, 
 
 
 async def _until_signalled(app: web.Application, config: RouterConfig) -> None:
-    """Serve until SIGINT or SIGTERM, printing the address once listening. The first signal
-    removes the handlers, so a second Ctrl+C is Python's own KeyboardInterrupt: it stops at once
-    instead of waiting out the grace period (as the server does)."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def on_signal() -> None:
-        stop.set()
-        for sig in SIGNALS:
-            loop.remove_signal_handler(sig)
-
-    for sig in SIGNALS:
-        loop.add_signal_handler(sig, on_signal)
+    """Serve until SIGINT or SIGTERM, printing the address once listening; a second Ctrl+C
+    stops at once (:mod:`server.signals`)."""
+    stop = stop_on_signals()
     urls = ", ".join(r.url for r in app[ROUTER].replicas.replicas)
     async with running(app, config.host, config.port, config.shutdown_grace, config.keep_alive_timeout,
                        config.max_connections) as url:
