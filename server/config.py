@@ -17,6 +17,7 @@ from minillm.cli import ArgumentParser, UsageError
 from minillm.engine.llm_engine import EngineConfig
 from minillm.quant import check_scheme
 from minillm.units import parse_memory, resolve_dtype
+from server.connections import CLIENT_FLAGS, CLIENT_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, MAX_CONNECTIONS
 from server.flags import LOG_LEVELS, add_env_flags, byte_size, dataclass_defaults, env_name
 from server.wire import MAX_BODY_BYTES
 
@@ -58,9 +59,9 @@ class ServerConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     shutdown_grace: float = 30.0
     stall_timeout: float = 60.0
-    keep_alive_timeout: float = 15.0
-    client_timeout: float = 30.0
-    max_connections: int = 2048
+    keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT_S
+    client_timeout: float = CLIENT_TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS
     tensor_parallel_size: int = 1
     attention: str = "torch"
     speculative_draft: str | None = None
@@ -154,10 +155,7 @@ FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     ("--max-body-bytes", byte_size, "largest request body accepted (413 beyond), e.g. 1MiB"),
     ("--shutdown-grace", float, "seconds in-flight requests may finish after SIGTERM"),
     ("--stall-timeout", float, "seconds one engine step may run before /health answers 503"),
-    ("--keep-alive-timeout", float, "seconds a connection may stay idle, or take to send a request's headers"),
-    ("--client-timeout", float, "seconds a request's body may take to arrive (408 beyond), and one write of a "
-                                "stream to leave (the stream is then cut: the client stopped reading)"),
-    ("--max-connections", int, "most open connections; more are answered 503 and closed"),
+    *CLIENT_FLAGS,
     ("--tensor-parallel-size", int, "split the model over N processes (N must divide its attention heads; "
                                     "one GPU each on CUDA)"),
     ("--attention", str.lower, "torch | torch-loop (chapter 8's one-sequence-at-a-time decode) | triton "

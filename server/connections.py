@@ -23,6 +23,17 @@ log = logging.getLogger("server")
 
 SPARE_DESCRIPTORS = 64  # for what is not a client: the model's files, logs, the engine's pipes
 
+# The client-facing limits, the same for the server and the router (their defaults and flags).
+KEEP_ALIVE_TIMEOUT_S = 15.0
+CLIENT_TIMEOUT_S = 30.0
+MAX_CONNECTIONS = 2048
+CLIENT_FLAGS = [
+    ("--keep-alive-timeout", float, "seconds a connection may stay idle, or take to send a request's headers"),
+    ("--client-timeout", float, "seconds a request's body may take to arrive (408 beyond), and one write of a "
+                                "stream to leave (the stream is then cut: the client stopped reading)"),
+    ("--max-connections", int, "most open connections; more are answered 503 and closed"),
+]
+
 _body = json.dumps(OpenAIError(503, "the server has too many open connections; retry shortly", "server_error",
                                None, "too_many_connections").body()).encode()
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"

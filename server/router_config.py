@@ -15,6 +15,7 @@ from typing import Mapping, Sequence
 
 from minillm.cli import ArgumentParser, UsageError
 from minillm.sizes import parse_memory
+from server.connections import CLIENT_FLAGS, CLIENT_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, MAX_CONNECTIONS
 from server.flags import LOG_LEVELS, add_env_flags, byte_size, dataclass_defaults, env_name
 from server.routing import POLICIES
 from server.wire import MAX_BODY_BYTES
@@ -63,9 +64,9 @@ class RouterConfig:
     connect_timeout: float = 2.0
     first_byte_timeout: float = 60.0
     max_body_bytes: int = MAX_BODY_BYTES
-    keep_alive_timeout: float = 15.0
-    client_timeout: float = 30.0
-    max_connections: int = 2048
+    keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT_S
+    client_timeout: float = CLIENT_TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS
     shutdown_grace: float = 30.0
     log_level: str = "info"
 
@@ -153,10 +154,7 @@ FLAGS = [
     ("--connect-timeout", float, "seconds to wait for a replica to accept a connection"),
     ("--first-byte-timeout", float, "seconds a replica has to send its status line and a stream's first event "
                                     "(504 past it, not retried)"),
-    ("--keep-alive-timeout", float, "seconds a client connection may stay idle, or take to send its headers"),
-    ("--client-timeout", float, "seconds a client's body may take to arrive (408 beyond), and one write of a "
-                                "stream to it to leave (the stream is then cut)"),
-    ("--max-connections", int, "most open client connections; more are answered 503 and closed"),
+    *CLIENT_FLAGS,
     ("--max-body-bytes", byte_size, "largest request body accepted (413 beyond), e.g. 1MiB; passed on to "
                                     "spawned replicas"),
     ("--shutdown-grace", float, "seconds in-flight requests may finish after SIGTERM"),
