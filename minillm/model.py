@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minillm.config import ModelConfig
+from minillm.losses import linear_cross_entropy
 
 
 class KVCache(Protocol):
@@ -199,11 +200,20 @@ class GPT(nn.Module):
             )
 
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None,
+        targets: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Logits ``[batch, time, vocab]``; given ``targets`` (each position's next token, the
+        shape of ``tokens``), the mean cross-entropy instead. Training asks for the loss here,
+        as nanoGPT does, so that DistributedDataParallel and ``torch.compile`` see one forward,
+        and so the output layer and the loss can be fused (:mod:`minillm.losses`): the full
+        ``[batch, time, vocab]`` logits are never built."""
         if positions is not None:
             self.check_positions(positions)
-        return self.logits(self.hidden_states(tokens, positions, cache))
+        hidden = self.hidden_states(tokens, positions, cache)
+        if targets is not None:
+            return linear_cross_entropy(hidden, self.tok_emb.weight, targets)
+        return self.logits(hidden)
 
 
 # ----------------------------------------------------------------------------- counting

@@ -89,3 +89,21 @@ def test_bf16_is_skipped_aloud_where_the_cpu_only_emulates_it(monkeypatch, capsy
     assert bench_main.parse_dtypes("bfloat16", torch.device("cpu")) == [torch.bfloat16]  # asked alone: measured
     monkeypatch.setattr(decode, "cpu_has_bf16_matmul", lambda: True)
     assert bench_main.parse_dtypes("float32,bfloat16", torch.device("cpu")) == [torch.float32, torch.bfloat16]
+
+
+def test_the_training_benchmark_reports_each_part_and_each_version(tmp_path, capsys) -> None:
+    from minillm.bench import training as TB
+
+    assert main(["training", "--preset", "tiny", "--dtypes", "float32", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "training-tiny.json").read_text())
+    run_ = report["runs"]["float32"]
+    assert list(run_["steps"]) == list(TB.VARIANTS)
+    assert set(run_["profile_ms"]["plain"]) == set(run_["profile_ms"]["fused"]) == {
+        "blocks forward", "output layer + loss forward", "backward", "clip + AdamW"}
+    for r in run_["steps"].values():  # one timed round: median, min and max are that round
+        assert r["tok_s_min"] == r["tok_s"] == r["tok_s_max"] == pytest.approx(8 * 64 / r["seconds"][0])
+    assert (tmp_path / "training-tiny.png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert all(name in printed for name in TB.VARIANTS) and "vs plain" in printed
+    with pytest.raises(UsageError, match="--repeats"):
+        main(["training", "--preset", "tiny", "--repeats", "0"])

@@ -176,3 +176,31 @@ def test_measure_throughput_is_tokens_over_step_time(monkeypatch) -> None:
     rate = T.measure_throughput("tiny", batch_size=2, seq_len=16, steps=3, device="cpu", clock=lambda: now[0])
     assert len(calls) == 4  # one warm-up, three timed
     assert rate == 2 * 16 / 0.25  # 32 tokens over the median timed step; the warm-up left out
+
+
+def test_every_version_of_the_step_trains_the_same_weights() -> None:
+    """The fused loss and the fused AdamW are speed, not a different training run: three steps
+    of each version of chapter 4's benchmark end at the same weights as the plain step."""
+    from minillm.bench import training as TB
+
+    ends = {}
+    for name, (fused_loss, fused_opt) in TB.VARIANTS.items():
+        model, optimizer, amp, batch = TB._setup("tiny", 4, 32, "float32", torch.device("cpu"), fused_opt)
+        runner = model if fused_loss else TB.PlainLoss(model)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        for _ in range(3):
+            train_step(runner, optimizer, scaler, amp, [batch], 1.0)
+        ends[name] = model.state_dict()
+    plain = ends.pop("plain")
+    for name, state in ends.items():
+        for key in plain:
+            torch.testing.assert_close(state[key], plain[key], rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
+
+
+def test_the_forecast_is_steps_and_evaluations_at_the_measured_rate(monkeypatch) -> None:
+    from minillm import train as T
+
+    monkeypatch.setattr(T, "measure_throughput", lambda *a, **k: 1000.0)
+    text = T.forecast(TrainConfig(preset="tiny", max_tokens=60 * 8 * 64, eval_every=30, eval_batches=3, batch_size=8, device="cpu"))
+    # 8 x 64 tokens a step at 1,000 tokens/s: 60 steps of 0.512 s, and 2 evaluations of 3 batches at a third of that
+    assert "about 32 seconds" in text and "60 steps at 1,000 tokens/s" in text and "2 evaluations" in text

@@ -14,6 +14,7 @@ from minillm.bench import profile as profile_bench
 from minillm.bench import engine as eb
 from minillm.bench import quant as quant_bench
 from minillm.bench import speculative as speculative_bench
+from minillm.bench import training as training_bench
 from minillm.bench.engine import load_weights
 from minillm.cli import ArgumentParser, UsageError, run
 from minillm.config import PRESETS, get_preset
@@ -70,7 +71,25 @@ def build_parser() -> ArgumentParser:
     attention_bench.add_arguments(sub.add_parser("attention", help="naive vs tiled vs fused attention; engine backends"))
     speculative_bench.add_arguments(sub.add_parser("speculative", help="speculative decoding: acceptance and speedup vs k"))
     quant_bench.add_arguments(sub.add_parser("quant", help="fp32, bf16, fp16, int8, int4: bytes, speed, quality"))
+    t = sub.add_parser("training", help="a training step profiled; plain vs fused loss vs fused AdamW")
+    t.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
+    t.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
+    t.add_argument("--batch-size", type=int, default=8)
+    t.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's context)")
+    t.add_argument("--repeats", type=int, default=5, help="interleaved rounds (median and spread)")
+    t.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
     return p
+
+
+def bench_training(args) -> dict:
+    cfg = get_preset(args.preset)
+    if args.batch_size < 1 or args.repeats < 1:
+        raise UsageError("--batch-size and --repeats must be at least 1")
+    if args.seq_len is not None and not 1 <= args.seq_len <= cfg.context_length:
+        raise UsageError(f"--seq-len must be 1..{cfg.context_length} for the {args.preset} preset")
+    dtypes = tuple(str(d).removeprefix("torch.") for d in parse_dtypes(args.dtypes, default_device()))
+    return training_bench.run(args.preset, batch_size=args.batch_size, seq_len=args.seq_len, dtypes=dtypes,
+                              repeats=args.repeats)
 
 
 def parse_batches(text: str) -> list[int]:
@@ -233,6 +252,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.bench == "profile":
         print(f"\nsaved {bench_profile(args, out)}")
+        return 0
+    if args.bench == "training":
+        print(f"\nsaved {training_bench.save(bench_training(args), out)}")
         return 0
     report = bench_engine(args)
     print(f"\nsaved {save(report, out)}")
