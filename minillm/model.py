@@ -211,9 +211,12 @@ class GPT(nn.Module):
         if positions is not None:
             self.check_positions(positions)
         hidden = self.hidden_states(tokens, positions, cache)
-        if targets is not None:
+        if targets is None:
+            return self.logits(hidden)
+        if type(self.tok_emb) is TokenEmbedding:  # a float table: fused with the loss
             return linear_cross_entropy(hidden, self.tok_emb.weight, targets)
-        return self.logits(hidden)
+        logits = self.logits(hidden)  # a quantized table (minillm.quant) scores through its own project()
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 # ----------------------------------------------------------------------------- counting

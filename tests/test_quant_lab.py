@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from minillm.bench import quant as lab
 from minillm.bench.__main__ import main
@@ -52,9 +53,11 @@ class WithTheRestOfTheVocabulary(nn.Module):
         super().__init__()
         self.model, self.others = model, math.log(others)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy, as ``GPT(tokens, targets=)`` returns it for the training step."""
         scores = self.model(tokens)
-        return torch.cat([scores, torch.full_like(scores[..., :1], self.others)], dim=-1)
+        scores = torch.cat([scores, torch.full_like(scores[..., :1], self.others)], dim=-1)
+        return F.cross_entropy(scores.float().flatten(0, 1), targets.flatten())
 
 
 def train_on_the_rhyme(home: Path, steps: int = 60) -> Path:
