@@ -25,7 +25,7 @@ import torch
 DEFAULT_CHUNK = 256  # tokens: a 256 x 50,257 fp32 block is 51 MB, a few passes from the cache
 
 
-def _chunked(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, dtype: torch.dtype,
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, dtype: torch.dtype,
              want_h: bool, want_w: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The mean loss, and (when wanted) its gradients with respect to ``hidden`` and ``weight``."""
     n = hidden.shape[0]
@@ -66,7 +66,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk, dtype):
-        loss, grad_h, grad_w = _chunked(hidden, weight, targets, chunk, dtype, *ctx.needs_input_grad[:2])
+        loss, grad_h, grad_w = chunked_cross_entropy(hidden, weight, targets, chunk, dtype, *ctx.needs_input_grad[:2])
         ctx.save_for_backward(grad_h, grad_w)
         return loss
 
@@ -95,4 +95,4 @@ def linear_cross_entropy(
     with torch.autocast(device_type, enabled=False):
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
             return _LinearCrossEntropy.apply(*args)
-        return _chunked(*args, want_h=False, want_w=False)[0]  # evaluation: the loss alone
+        return chunked_cross_entropy(*args, want_h=False, want_w=False)[0]  # evaluation: the loss alone
