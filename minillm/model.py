@@ -114,12 +114,18 @@ class Block(nn.Module):
 
 class TokenEmbedding(nn.Embedding):
     """The token table, used twice: rows looked up on the way in, and (tied) the output matrix
-    on the way out, which is :meth:`project`. A quantized table (``minillm.quant``) keeps the
-    same two-method contract over packed integers."""
+    on the way out, which is :meth:`project`, and in training :meth:`cross_entropy`, the
+    output matrix fused with the loss. A quantized table (``minillm.quant``) keeps the same
+    contract over packed integers."""
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vectors ``[..., d_model]`` to vocabulary scores ``[..., vocab]``."""
         return F.linear(hidden, self.weight)
+
+    def cross_entropy(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean loss of :meth:`project`'s scores against ``targets``, without building them
+        (:mod:`minillm.losses`)."""
+        return linear_cross_entropy(hidden, self.weight, targets)
 
 
 class GPT(nn.Module):
@@ -213,10 +219,7 @@ class GPT(nn.Module):
         hidden = self.hidden_states(tokens, positions, cache)
         if targets is None:
             return self.logits(hidden)
-        if type(self.tok_emb) is TokenEmbedding:  # a float table: fused with the loss
-            return linear_cross_entropy(hidden, self.tok_emb.weight, targets)
-        logits = self.logits(hidden)  # a quantized table (minillm.quant) scores through its own project()
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return self.tok_emb.cross_entropy(hidden, targets)
 
 
 # ----------------------------------------------------------------------------- counting

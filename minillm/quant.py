@@ -31,6 +31,7 @@ import functools
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 SCHEMES = ("int8", "int4")
 DEFAULT_GROUP_SIZE = 32
@@ -338,6 +339,11 @@ class QuantEmbedding(nn.Module):
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.table(hidden)
+
+    def cross_entropy(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean loss of :meth:`project`'s scores: a packed table has no float matrix for the
+        fused loss, so this one builds the logits (the quant lab's perplexities ask for it)."""
+        return F.cross_entropy(self.project(hidden).float().flatten(0, 1), targets.flatten())
 
 
 # ----------------------------------------------------------------------------- the whole model

@@ -204,3 +204,22 @@ def test_the_forecast_is_steps_and_evaluations_at_the_measured_rate(monkeypatch)
     text = T.forecast(TrainConfig(preset="tiny", max_tokens=60 * 8 * 64, eval_every=30, eval_batches=3, batch_size=8, device="cpu"))
     # 8 x 64 tokens a step at 1,000 tokens/s: 60 steps of 0.512 s, and 2 evaluations of 3 batches at a third of that
     assert "about 32 seconds" in text and "60 steps at 1,000 tokens/s" in text and "2 evaluations" in text
+
+
+@pytest.mark.parametrize("has_units, bf16, fp32, expected", [
+    (False, 400e9, 100e9, None),  # no bf16 instructions: emulated, never timed
+    (True, 145e9, 244e9, None),  # the instructions, but slower than fp32 (AVX-512 BF16 without AMX)
+    (True, 900e9, 244e9, torch.bfloat16),  # AMX: bf16 pays
+])
+def test_auto_trains_a_cpu_in_bf16_only_where_it_measures_faster(monkeypatch, has_units, bf16, fp32, expected) -> None:
+    import minillm.train as T
+
+    monkeypatch.setattr(T, "cpu_has_bf16_matmul", lambda: has_units)
+    monkeypatch.setattr(T, "measure_matmul_flops", lambda device, dtype, n: bf16 if dtype == torch.bfloat16 else fp32)
+    T.cpu_bf16_pays.cache_clear()
+    try:
+        assert T.autocast_dtype(TrainConfig(dtype="auto"), torch.device("cpu")) == expected
+        assert T.autocast_dtype(TrainConfig(dtype="float32"), torch.device("cpu")) is None
+        assert T.autocast_dtype(TrainConfig(dtype="bfloat16"), torch.device("cpu")) == torch.bfloat16
+    finally:
+        T.cpu_bf16_pays.cache_clear()
