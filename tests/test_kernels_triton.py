@@ -31,6 +31,7 @@ from minillm.kernels.paged_triton import paged_decode_attention  # noqa: E402
 from minillm.model import GPT  # noqa: E402
 
 DEVICE = torch.device("cpu" if interpreting() else "cuda")
+pytestmark = pytest.mark.cuda  # compiled on a GPU where there is one: the GPU check runs these natively
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 

@@ -12,6 +12,7 @@ from minillm.bench import attention as attention_bench
 from minillm.bench import decode as decode_bench
 from minillm.bench import profile as profile_bench
 from minillm.bench import engine as eb
+from minillm.bench import gpu_check
 from minillm.bench import quant as quant_bench
 from minillm.bench import speculative as speculative_bench
 from minillm.bench import training as training_bench
@@ -71,6 +72,7 @@ def build_parser() -> ArgumentParser:
     attention_bench.add_arguments(sub.add_parser("attention", help="naive vs tiled vs fused attention; engine backends"))
     speculative_bench.add_arguments(sub.add_parser("speculative", help="speculative decoding: acceptance and speedup vs k"))
     quant_bench.add_arguments(sub.add_parser("quant", help="fp32, bf16, fp16, int8, int4: bytes, speed, quality"))
+    gpu_check.add_arguments(sub.add_parser("gpu-check", help="every CUDA path run and measured, in a bounded run"))
     t = sub.add_parser("training", help="a training step profiled; plain vs fused loss vs fused AdamW")
     t.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
     t.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
@@ -237,6 +239,8 @@ def plot(report: dict, path: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = Path(args.out) if args.out else (project_root() or Path.cwd()) / "benchmarks" / "results"
+    if args.bench == "gpu-check":
+        return gpu_check.run_from_args(args)
     if args.bench == "attention":
         attention_bench.save(attention_bench.run_attention_bench(args), out)
         return 0

@@ -120,8 +120,10 @@ def roof(model: GPT, batch: int, bandwidth: float, flops: float) -> float:
 
 
 def run_decode_bench(model: GPT, batches: list[int], new_tokens: int, with_hf: bool = True,
-                     with_llamacpp: bool = True, repeats: int = 3) -> dict:
+                     with_llamacpp: bool = True, repeats: int = 3, engines: dict[str, dict] | None = None) -> dict:
     """Every method at every batch size, as ``{"rates": {method: {batch: [tok/s, ...]}}, ...}``.
+    ``engines`` (default: ``ENGINES``) names our engine's configurations to run: on a GPU,
+    weight packing (a CPU's oneDNN) does not apply.
 
     The ``repeats`` rounds are interleaved: each round runs every method once, so a machine
     that speeds up or slows down during the run (other jobs, heat) moves all of them alike,
@@ -136,7 +138,7 @@ def run_decode_bench(model: GPT, batches: list[int], new_tokens: int, with_hf: b
     llama_dtype = "f32" if model.dtype == torch.float32 else "bf16"
     for round_ in range(repeats):
         for b in batches:
-            for method, options in ENGINES.items():
+            for method, options in (ENGINES if engines is None else engines).items():
                 rate, startup = engine_rate(model, b, new_tokens, **options)
                 rates.setdefault(method, {}).setdefault(b, []).append(rate)
                 startups.setdefault(method, {}).setdefault(b, []).append(startup)
@@ -167,7 +169,7 @@ def summary(report: dict) -> list[str]:
         cells = [f"{by_batch[b]:8.1f} [{min(rates[method][b]):.0f}-{max(rates[method][b]):.0f}] "
                  f"({by_batch[b] / report['roof'][b]:3.0%})" for b in by_batch]
         lines.append(f"  {method:<34}" + "".join(cells))
-    for ours in ("ours, captured", "ours, eager + packed weights"):
+    for ours in [m for m in ("ours, captured", "ours, eager + packed weights") if m in median]:
         for other in [m for m in median if m.startswith(("llama.cpp", "transformers"))]:
             ratios = ", ".join(f"batch {b} {median[ours][b] / r:.2f}x" for b, r in median[other].items())
             lines.append(f"  {ours.removeprefix('ours, ')} vs {other}: {ratios}")
