@@ -9,7 +9,6 @@ package never imports ``server`` (DESIGN.md's one direction of dependence).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import queue
 import re
@@ -20,7 +19,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
 
 import torch
 
@@ -30,8 +28,8 @@ from minillm.bench.gpu_steps import shape
 from minillm.checkpoint import CHECKPOINT_NAME, save_checkpoint
 from minillm.config import get_preset
 from minillm.hardware import DTYPES, device_name, measure_matmul_flops
-from minillm.model import GPT, training_flops_per_token
-from minillm.train import TrainConfig, autocast_dtype, make_optimizer, measure_throughput, train_step
+from minillm.model import training_flops_per_token
+from minillm.train import measure_throughput
 
 EPOCH_TOKENS = 470e6  # TinyStories' training split, about, in GPT-2 tokens
 GPU_BATCH_GROUPS = ((1, 8, 32), (64, 128, 256))  # measured and saved group by group
@@ -81,30 +79,6 @@ def fractions(run_: dict) -> dict:
             for m, by_batch in run_["rates"].items()}
 
 
-def compiled_throughput(preset: str, dtype: str, *, batch_size: int, steps: int, device: torch.device) -> float:
-    """:func:`minillm.train.measure_throughput` with the model under ``torch.compile``, the same
-    steps (one warm-up, which pays the compile, then the median of ``steps``)."""
-    model_cfg = get_preset(preset)
-    cfg = replace(TrainConfig(preset=preset, dtype=dtype), lr=1e-4, warmup=0, max_steps=steps)
-    seq_len = model_cfg.context_length
-    torch.manual_seed(0)
-    model = GPT(model_cfg).to(device).train()
-    runner = torch.compile(model)
-    optimizer = make_optimizer(model, cfg)
-    amp_dtype = autocast_dtype(cfg, device)
-    amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
-    x = torch.randint(model_cfg.vocab_size, (batch_size, seq_len + 1), device=device)
-    times = []
-    for _ in range(steps + 1):
-        start = time.perf_counter()
-        train_step(runner, optimizer, scaler, amp, [(x[:, :-1], x[:, 1:])], cfg.grad_clip)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return batch_size * seq_len / statistics.median(times[1:])
-
-
 def training(ctx) -> None:
     """Step 5: training tokens/s of the GPU model (bf16 autocast), ``torch.compile`` off and on;
     MFU against the measured bf16 matmul peak; how long an epoch of TinyStories would take."""
@@ -124,10 +98,8 @@ def training(ctx) -> None:
             ctx.save(compile_skipped=f"{ctx.left:.0f} s left of the slice")
             break
         began = time.perf_counter()
-        if compiled:
-            rate = compiled_throughput(preset, dtype, batch_size=batch_size, steps=steps, device=device)
-        else:
-            rate = measure_throughput(preset, dtype, batch_size=batch_size, seq_len=seq_len, steps=steps, device=device)
+        rate = measure_throughput(preset, dtype, batch_size=batch_size, seq_len=seq_len, steps=steps, device=device,
+                                  compile=compiled)
         row = {"compile": compiled, "tokens_per_s": rate, "mfu": rate * flops_per_token / peak,
                "epoch_hours": EPOCH_TOKENS / rate / 3600, "wall_s": time.perf_counter() - began}
         ctx.result["runs"].append(row)

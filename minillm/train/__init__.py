@@ -356,16 +356,19 @@ def forecast(cfg: TrainConfig) -> str:
 
 def measure_throughput(
     preset: str, dtype: str = "float32", *, batch_size: int = 8, seq_len: int | None = None,
-    steps: int = 3, device: str | torch.device | None = None, clock: Callable[[], float] = time.perf_counter,
+    steps: int = 3, device: str | torch.device | None = None, compile: bool = False,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float:
     """Training tokens per second of a preset: the median of ``steps`` timed optimizer steps
-    on random tokens (speed does not depend on the data), after one warm-up step. (``clock``
-    lets a test time the steps on a fake clock.)"""
+    on random tokens (speed does not depend on the data), after one warm-up step, which also
+    pays for ``torch.compile`` when ``compile`` is set. (``clock`` lets a test time the steps
+    on a fake clock.)"""
     device = torch.device(device) if device else default_device()
     model_cfg = get_preset(preset)
     cfg = replace(TrainConfig(preset=preset, dtype=dtype), lr=1e-4, warmup=0, max_steps=steps)
     seq_len = seq_len or model_cfg.context_length
     model = GPT(model_cfg).to(device).train()
+    runner = torch.compile(model) if compile else model
     optimizer = make_optimizer(model, cfg)
     amp_dtype = autocast_dtype(cfg, device)
     amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
@@ -375,7 +378,7 @@ def measure_throughput(
     times = []
     for _ in range(steps + 1):
         start = clock()
-        train_step(model, optimizer, scaler, amp, batch, cfg.grad_clip)
+        train_step(runner, optimizer, scaler, amp, batch, cfg.grad_clip)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(clock() - start)
