@@ -43,7 +43,7 @@ class ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     # A test fixture: builds in milliseconds, trains a few steps in seconds.
     "tiny": ModelConfig(context_length=64, d_model=64, n_layers=2, n_heads=4),
-    # The book's default on a laptop CPU: trains in 20-odd minutes on two cores. Most of
+    # The book's default on a laptop CPU: trains in about ten minutes on two cores. Most of
     # its 11.5M parameters are the 50,257 x 192 embedding; the four blocks hold 1.8M.
     "cpu": ModelConfig(context_length=256, d_model=192, n_layers=4, n_heads=4),
     # Chapter 13's draft model, trained on the same corpus and tokenizer as "cpu". A decode
