@@ -25,10 +25,10 @@ serve: $(BASE)
 test: test-unit test-notebooks
 
 test-unit: $(DEV)
-	MINILLM_QUICK=1 MINILLM_REQUIRE_TRITON=1 $(PY) -m pytest --durations=15 tests/
+	MINILLM_QUICK=1 MINILLM_REQUIRE_TRITON=1 $(PY) -m pytest tests/ --durations=15
 
 test-notebooks: $(DEV)
-	MINILLM_QUICK=1 $(PY) -m pytest --durations=20 --nbval-lax --nbval-current-env notebooks/
+	MINILLM_QUICK=1 $(PY) -m pytest --nbval-lax --nbval-current-env notebooks/ --durations=20
 
 lab: $(DEV)
 	$(PY) -m jupyter lab notebooks/
