@@ -26,6 +26,9 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 # that float32 cannot hold (under about 1e-38) makes them infinite and the softmax NaN, and
 # long before that the distribution is argmax to every digit float32 keeps.
 GREEDY_TEMPERATURE = 1e-5
+# OpenAI's ranges: penalties in -2..2, a logit bias in -100..100 (-100 bans a token, 100 all but
+# forces it), and up to 20 alternatives per position (the chat endpoint's top_logprobs).
+MAX_PENALTY, MAX_LOGIT_BIAS, MAX_LOGPROBS = 2.0, 100.0, 20
 
 @dataclass
 class SamplingParams:
@@ -40,6 +43,24 @@ class SamplingParams:
     - ``ignore_eos``: keep going past the end-of-text token (load tests use it to fix lengths).
     - ``seed``: a per-request random generator, so a seeded request gives the same text
       whatever else shares its batch.
+
+    Adjustments to the logits, applied before temperature and the filters
+    (:mod:`minillm.penalties` says exactly how):
+
+    - ``presence_penalty``, ``frequency_penalty`` (-2..2): subtracted from the logit of every
+      token already generated, once (presence) or once per occurrence (frequency); OpenAI's.
+    - ``repetition_penalty`` (> 0, 1 is off): divides positive and multiplies negative logits
+      of every token in the prompt or the output; the CTRL paper's, as in vLLM and transformers.
+    - ``logit_bias``: token id -> a number in -100..100 added to that token's logit.
+    - ``min_tokens``: the end-of-text token and ``stop_token_ids`` are banned until this many
+      tokens are generated (stop strings still apply).
+
+    What the model thought, reported beside each token (:mod:`minillm.logprobs`):
+
+    - ``logprobs``: the chosen token's log-probability and this many top alternatives (0..20),
+      from the raw logits: before penalties, temperature and filters, as vLLM reports them.
+    - ``prompt_logprobs``: the same for every prompt token after the first, computed during
+      the prefill; with it, ``max_tokens`` may be 0: score the prompt, generate nothing.
     """
 
     max_tokens: int = 16
@@ -50,6 +71,13 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,8 +86,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = None
+        self.logit_bias = dict(self.logit_bias or {})
+        least_tokens = 0 if self.prompt_logprobs is not None else 1  # 0: score the prompt only
         problems = [
-            (not _is_int(self.max_tokens) or self.max_tokens < 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
+            (not _is_int(self.max_tokens) or self.max_tokens < least_tokens,
+             f"max_tokens must be an integer >= {least_tokens}, got {self.max_tokens!r}"),
             (not _is_finite(self.temperature) or self.temperature < 0, f"temperature must be a finite number >= 0, got {_brief(self.temperature)}"),
             (self.top_k is not None and (not _is_int(self.top_k) or not 1 <= self.top_k <= SEED_MAX),
              f"top_k must be an integer in 1..{SEED_MAX} (or 0/None for all), got {_brief(self.top_k)}"),
@@ -69,11 +100,23 @@ class SamplingParams:
             (not isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}"),
             (self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
              f"seed must be an integer in {SEED_MIN}..{SEED_MAX}, got {_brief(self.seed)}"),
+            *((not _is_finite(v) or abs(v) > MAX_PENALTY, f"{name} must be in -{MAX_PENALTY:g}..{MAX_PENALTY:g}, got {_brief(v)}")
+              for name, v in (("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty))),
+            (not _is_finite(self.repetition_penalty) or self.repetition_penalty <= 0,
+             f"repetition_penalty must be a number > 0 (1 is off), got {_brief(self.repetition_penalty)}"),
+            (not all(_is_int(t) and t >= 0 and _is_finite(b) and abs(b) <= MAX_LOGIT_BIAS for t, b in self.logit_bias.items()),
+             f"logit_bias must map token ids (integers >= 0) to numbers in -{MAX_LOGIT_BIAS:g}..{MAX_LOGIT_BIAS:g}, "
+             f"got {_brief(self.logit_bias)}"),
+            (not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= (self.max_tokens if _is_int(self.max_tokens) else 0),
+             f"min_tokens must be an integer in 0..max_tokens ({self.max_tokens!r}), got {_brief(self.min_tokens)}"),
+            *((v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS), f"{name} must be an integer in 0..{MAX_LOGPROBS}, got {_brief(v)}")
+              for name, v in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs))),
         ]
         for bad, message in problems:
             if bad:
                 raise ValueError(message)
         self.temperature = float(self.temperature)
+        self.logit_bias = {t: float(b) for t, b in self.logit_bias.items() if b != 0}
 
     @property
     def greedy(self) -> bool:
@@ -85,6 +128,20 @@ class SamplingParams:
     def filters(self) -> bool:
         """True when top-k or top-p narrows the candidates, so the sampler must rank them."""
         return self.top_k is not None or self.top_p < 1
+
+    @property
+    def adjusts(self) -> bool:
+        """True when a penalty, a bias or ``min_tokens`` changes the logits before sampling;
+        the sampler skips that work for every other row."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
+
+    @property
+    def token_by_token(self) -> bool:
+        """True when every position needs its own adjusted or reported logits, which
+        speculative decoding's one-pass verification of a draft does not give; such a request
+        decodes one token per step."""
+        return self.adjusts or self.logprobs is not None
 
 
 def _is_int(x: object) -> bool:

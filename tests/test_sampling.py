@@ -411,6 +411,10 @@ def test_top_p_one_keeps_a_tail_that_rounding_pushed_past_the_total():
     ("stop", [""]), ("stop", [3]),
     ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]),
     ("ignore_eos", 1), ("seed", 1.0), ("seed", "7"),
+    ("presence_penalty", 2.5), ("frequency_penalty", -2.1), ("frequency_penalty", float("inf")),
+    ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("logit_bias", {3: 101}), ("logit_bias", {-1: 1}),
+    ("logit_bias", {"3": 1}), ("min_tokens", 17), ("min_tokens", -1), ("logprobs", 21), ("logprobs", True),
+    ("prompt_logprobs", -1),
 ])
 def test_bad_fields_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=field):
@@ -420,6 +424,14 @@ def test_bad_fields_are_refused_by_name(field, value):
 def test_good_fields_are_normalised():
     params = SamplingParams(stop="\n", top_k=0, stop_token_ids=None)
     assert params.stop == ["\n"] and params.top_k is None and params.stop_token_ids == []
+    assert not params.adjusts and not params.token_by_token
+    assert SamplingParams(logit_bias={3: 0, 4: -100}).logit_bias == {4: -100.0}  # a zero bias is no bias
+
+
+def test_max_tokens_zero_only_scores_a_prompt():
+    assert SamplingParams(max_tokens=0, prompt_logprobs=0).max_tokens == 0
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
+        SamplingParams(max_tokens=0, logprobs=1)
 
 
 def test_a_seed_outside_a_generators_range_is_refused_when_the_params_are_made() -> None:

@@ -11,7 +11,7 @@ model sees is as large as memory and budgets allow, and shrinks only as requests
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from minillm.engine.build import build_engine
 from minillm.engine.llm_engine import EngineConfig
+from minillm.logprobs import TokenLogprobs
 from minillm.model import GPT
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
@@ -26,12 +27,16 @@ from minillm.tokenizer import Tokenizer
 
 @dataclass
 class CompletionOutput:
-    """One prompt's result: the generated text and tokens, and why generation ended."""
+    """One prompt's result: the generated text and tokens, and why generation ended; with
+    ``SamplingParams.logprobs``, one :class:`TokenLogprobs` per generated token, and with
+    ``prompt_logprobs``, one per prompt token after the first."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
     finish_reason: str
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class LLM:
@@ -91,12 +96,12 @@ class LLM:
         per_prompt = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
         if len(per_prompt) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(per_prompt)} SamplingParams")
-        ids, texts, order = {}, {}, []
+        ids, texts, logprobs, order = {}, {}, {}, []
         for prompt, p in zip(batch, per_prompt):
             rid = f"offline-{self._next_id}"
             self._next_id += 1
             ids[rid] = self.engine.add_request(rid, prompt, p)
-            texts[rid] = []
+            texts[rid], logprobs[rid] = [], []
             order.append(rid)
         finished: dict[str, str] = {}
         bar = tqdm(total=len(batch), desc="generate", unit="req", disable=not use_tqdm)
@@ -104,6 +109,7 @@ class LLM:
         while self.engine.has_unfinished:
             for out in self.engine.step():
                 texts[out.request_id].append(out.new_text)
+                logprobs[out.request_id] += out.logprobs or []
                 if out.finished:
                     finished[out.request_id] = out.finish_reason or ""
                     bar.update(1)
@@ -111,7 +117,8 @@ class LLM:
         bar.close()
         return [
             CompletionOutput(
-                ids[r].token_ids[: ids[r].prompt_len], ids[r].output_ids, "".join(texts[r]), finished[r]
+                ids[r].token_ids[: ids[r].prompt_len], ids[r].output_ids, "".join(texts[r]), finished[r],
+                logprobs[r], ids[r].prompt_logprobs,
             )
             for r in order
         ]

@@ -23,10 +23,11 @@ from minillm.engine.block_allocator import BlockAllocator
 from minillm.engine.decode_graphs import DecodeGraphs, capture_mode, capture_unsupported
 from minillm.engine.kv_cache import ATTENTION_BACKENDS, PagedKVPool, blocks_for_memory
 from minillm.engine.memory import MemorySplit, measure
-from minillm.engine.model_runner import ModelRunner
+from minillm.engine.model_runner import ChunkOutput, ModelRunner
 from minillm.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from minillm.engine.sequence import FinishReason, RequestTimes, Sequence
 from minillm.engine.speculator import Speculator
+from minillm.logprobs import TokenLogprobs
 from minillm.model import GPT
 from minillm.packed import pack_weights, packing_unsupported
 from minillm.sampling import SamplingParams, make_generator
@@ -122,7 +123,11 @@ class EngineConfig:
 class RequestOutput:
     """What one step produced for one request: its new tokens and the text now safe to show.
     ``times`` is set on a request's last output, so its reader needs nothing else from the
-    engine to report queue time, TTFT and inter-token latency."""
+    engine to report queue time, TTFT and inter-token latency.
+
+    ``logprobs`` (one per new token) and ``prompt_logprobs`` (entry ``j`` scores prompt token
+    ``j + 1``, on the request's first output only) are set when its ``SamplingParams`` ask.
+    ``cached_tokens`` is how much of the prompt the prefix cache held at its admission."""
 
     request_id: str
     new_token_ids: list[int]
@@ -132,6 +137,9 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     times: RequestTimes | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -218,6 +226,10 @@ class LLMEngine:
         vocab = self.model.cfg.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in 0..{vocab - 1}")
+        if any(t >= vocab for t in params.logit_bias):  # SamplingParams checked the rest
+            raise ValueError(f"logit_bias token ids must be in 0..{vocab - 1}")
+        if params.max_tokens == 0 and len(ids) < 2:
+            raise ValueError("max_tokens=0 scores a prompt, which needs at least 2 tokens (the first has no logprob)")
         seq = Sequence(
             request_id=request_id,
             token_ids=ids,
@@ -242,19 +254,28 @@ class LLMEngine:
         now = time.monotonic()
         results: list[RequestOutput] = []
         try:
-            for chunk, tokens in zip(output.chunks, produced):
+            for chunk, made in zip(output.chunks, produced):
                 self._prefill_tokens += 0 if chunk.is_decode else chunk.num_tokens
-                if tokens:
-                    results.append(self._append(chunk, tokens, now))
+                if made.prompt_logprobs:
+                    chunk.seq.record_prompt_logprobs(chunk.start, made.prompt_logprobs)
+                if made.tokens:
+                    results.append(self._append(chunk, made, now))
         finally:  # even if appending failed, finished sequences must give their blocks back
             self.scheduler.postprocess(output, now)
         self._steps += 1
         return results
 
-    def _append(self, chunk: ScheduledChunk, tokens: list[int], now: float) -> RequestOutput:
+    def _append(self, chunk: ScheduledChunk, made: ChunkOutput, now: float) -> RequestOutput:
         """Append a chunk's new tokens (more than one after an accepted draft) up to the one
-        that finishes the request, and turn them into the text now safe to show."""
+        that finishes the request, and turn them into the text now safe to show. A request
+        with ``max_tokens=0`` wanted its prompt scored only: it finishes here, and the token
+        sampled after its prompt is dropped."""
         seq, detok = chunk.seq, chunk.seq.detokenizer
+        first_output = seq.first_token_time is None
+        tokens = made.tokens
+        if seq.params.max_tokens == 0:
+            seq.first_token_time, tokens = now, []
+            seq.finish(FinishReason.LENGTH, now)
         appended, text = [], []
         for token in tokens:
             seq.append_token(token, now)
@@ -277,6 +298,9 @@ class LLMEngine:
             seq.prompt_len,
             seq.num_output_tokens,
             seq.times() if seq.is_finished else None,
+            made.logprobs[: len(appended)] if made.logprobs is not None else None,
+            seq.prompt_logprobs if first_output and seq.params.prompt_logprobs is not None else None,
+            min(seq.num_cached_prompt_tokens, seq.prompt_len),
         )
 
     def abort(self, request_id: str) -> bool:

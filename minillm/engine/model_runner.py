@@ -12,12 +12,19 @@ runner drafts into those slots and verifies the draft in the same single forward
 returns a list of tokens per chunk: none for a partial prefill, one for most chunks, the
 accepted drafts plus one more for a speculative decode.
 
+What a request asks beyond a token comes from the same logits, in the same step: penalties and
+biases adjust its row before sampling (:mod:`minillm.penalties`), logprobs score the chosen
+token from the raw row (:mod:`minillm.logprobs`), and prompt logprobs run the LM head over the
+prompt rows of its prefill, which every other request skips.
+
 A step of decodes only, given :class:`~minillm.engine.decode_graphs.DecodeGraphs`, runs as a
 captured program instead (a CUDA graph, or Inductor's compiled code on a CPU); every other
 step, and every step with ``enforce_eager``, runs the eager path below, which is the reference.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,7 +33,9 @@ from minillm.engine.kv_cache import DecodeGroup, PagedAttention, PagedKVPool, Pr
 from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from minillm.engine.sequence import Sequence
 from minillm.engine.speculator import Speculator
+from minillm.logprobs import TokenLogprobs, token_logprobs
 from minillm.model import GPT
+from minillm.penalties import adjust_logits
 from minillm.sampling import sample
 from minillm.speculative import Draft, accept
 
@@ -34,6 +43,21 @@ from minillm.speculative import Draft, accept
 # Decodes attended together in one call. Larger groups mean fewer calls but more padding
 # (every member is padded to the longest); 16 length-sorted sequences keep both small.
 DECODE_GROUP = 16
+# Prompt rows scored through the LM head at a time: each holds a vocabulary of float32 logits
+# and as many log-probabilities (400 KB a row for GPT-2's), so a 2,048-token prefill in one
+# piece would hold 800 MB.
+SCORE_CHUNK_ROWS = 256
+
+
+@dataclass
+class ChunkOutput:
+    """What one scheduled chunk produced: its new ``tokens``; their ``logprobs``, one per token,
+    when its request asks; and ``prompt_logprobs`` for the prompt tokens this chunk scored
+    (entry ``j`` scores token ``chunk.start + 1 + j``), when its request asks for those."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -48,17 +72,17 @@ class ModelRunner:
         self.device = model.device
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> list[list[int]]:
-        """Run one step; returns, per chunk in ``output.chunks`` order, the tokens it produced
-        (see the module docstring). If this raises, no sequence has changed."""
+    def execute(self, output: SchedulerOutput) -> list[ChunkOutput]:
+        """Run one step; returns, per chunk in ``output.chunks`` order, what it produced (see
+        the module docstring). If this raises, no sequence has changed."""
         if len(output.chunks) == 1 and output.chunks[0].num_lookahead:
-            return [self.speculate(output.chunks[0])]
+            return [ChunkOutput(self.speculate(output.chunks[0]))]
         decodes = sorted((c for c in output.chunks if c.num_tokens == 1), key=lambda c: c.start)
         prefills = [c for c in output.chunks if c.num_tokens > 1]
         if self.graphs is not None and not prefills and len(decodes) <= self.graphs.max_batch:
             logits, greedy = self.graphs.run(decodes)
-            drawn = dict(zip(map(id, decodes), _sample([c.seq for c in decodes], logits, greedy)))
-            return [[drawn[id(c)]] for c in output.chunks]
+            drawn = dict(zip(map(id, decodes), _choose([c.seq for c in decodes], logits, greedy)))
+            return [drawn[id(c)] for c in output.chunks]
         ordered = decodes + prefills
         tokens, positions, slots = self.flatten(ordered)
         attention = PagedAttention(
@@ -68,13 +92,29 @@ class ModelRunner:
         hidden = self.model.hidden_states(tokens[None], positions[None], attention)[0]
         ends = torch.tensor(_cumulative_ends(ordered), device=self.device)
         wanted = [i for i, c in enumerate(ordered) if c.samples]
-        sampled: dict[int, list[int]] = {}
+        results = {id(c): ChunkOutput() for c in output.chunks}
         if wanted:
             logits = self.model.logits(hidden[ends[wanted] - 1]).float()
-            drawn = _sample([ordered[i].seq for i in wanted], logits)
-            for i, token in zip(wanted, drawn):
-                sampled[id(ordered[i])] = [token]
-        return [sampled.get(id(c), []) for c in output.chunks]
+            for i, chosen in zip(wanted, _choose([ordered[i].seq for i in wanted], logits)):
+                results[id(ordered[i])] = chosen
+        for c, end in zip(ordered, ends.tolist()):
+            if c.seq.params.prompt_logprobs is not None and c.start < c.seq.prompt_len - 1:
+                results[id(c)].prompt_logprobs = self.score_prompt(c, hidden[end - c.num_tokens : end])
+        return [results[id(c)] for c in output.chunks]
+
+    def score_prompt(self, chunk: ScheduledChunk, hidden: torch.Tensor) -> list[TokenLogprobs]:
+        """The prompt tokens after ``chunk``'s positions, scored from its ``hidden`` rows: the
+        row at position ``p`` is the model's prediction of token ``p + 1``, so a prompt of
+        ``L`` tokens is scored at positions ``0..L-2`` (its first token has no prediction)."""
+        seq = chunk.seq
+        stop = min(chunk.start + chunk.num_tokens, seq.prompt_len - 1)
+        scored: list[TokenLogprobs] = []
+        for first in range(chunk.start, stop, SCORE_CHUNK_ROWS):
+            last = min(first + SCORE_CHUNK_ROWS, stop)
+            rows = hidden[first - chunk.start : last - chunk.start]
+            targets = seq.token_ids[first + 1 : last + 1]
+            scored += token_logprobs(self.model.logits(rows), targets, [seq.params.prompt_logprobs] * len(targets))
+        return scored
 
     def speculate(self, chunk: ScheduledChunk) -> list[int]:
         """A decode with ``chunk.num_lookahead`` reserved slots: draft that many tokens at
@@ -148,12 +188,35 @@ class ModelRunner:
         return chunks
 
 
-def _sample(seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None = None) -> list[int]:
-    """One token per row of ``logits`` for ``seqs`` (one transfer to the host): ``greedy``, the
-    rows' argmax when the step computed it already, answers a batch of greedy rows alone."""
-    if greedy is not None and all(s.params.greedy for s in seqs):
-        return greedy.tolist()
-    return sample(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+def _choose(seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None = None) -> list[ChunkOutput]:
+    """One token per row of ``logits`` for ``seqs``, with its logprobs where asked.
+
+    ``greedy``, the rows' argmax when the step computed it already, answers a batch of greedy
+    rows that adjust nothing. Rows whose requests adjust their logits (penalties, biases,
+    ``min_tokens``) are adjusted, alone, before the sampler sees them; logprobs are read from
+    the raw rows.
+    """
+    params = [s.params for s in seqs]
+    adjusting = [i for i, p in enumerate(params) if p.adjusts]
+    chosen_from = logits
+    if adjusting:
+        index = torch.tensor(adjusting, device=logits.device)
+        picked = [seqs[i] for i in adjusting]
+        chosen_from = logits.index_copy(0, index, adjust_logits(
+            logits[index], [s.params for s in picked], [s.token_ids[: s.prompt_len] for s in picked],
+            [s.output_ids for s in picked], [s.eos_token_id for s in picked]))
+    if greedy is not None and not adjusting and all(p.greedy for p in params):
+        tokens = greedy
+    else:
+        tokens = sample(chosen_from, params, [s.generator for s in seqs])
+    outputs = [ChunkOutput([token]) for token in tokens.tolist()]
+    asking = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if asking:
+        index = torch.tensor(asking, device=logits.device)
+        scored = token_logprobs(logits[index], tokens[index], [params[i].logprobs for i in asking])
+        for i, lp in zip(asking, scored):
+            outputs[i].logprobs = [lp]
+    return outputs
 
 
 def _cumulative_ends(chunks: list[ScheduledChunk]) -> list[int]:

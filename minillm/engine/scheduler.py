@@ -193,6 +193,8 @@ class Scheduler:
             return
         chunk = out.chunks[0]
         seq = chunk.seq
+        if seq.params.token_by_token:  # its logits are adjusted or reported at every position
+            return
         room = min(self.num_lookahead_slots, seq.params.max_tokens - seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens - 1)
         if room > 0 and self.allocator.can_allocate(seq, seq.num_tokens + room):
@@ -243,7 +245,8 @@ class Scheduler:
         """Admit waiting sequences in order until the first that does not fit."""
         while self.waiting and len(self.running) < self.max_num_seqs and self._budget_left(out) > 0:
             seq = self.waiting[0]
-            shared = self.allocator.match_prefix(seq)
+            # A prompt being scored must run through the model: cached blocks have no logits.
+            shared = [] if seq.scoring_prompt else self.allocator.match_prefix(seq)
             start = len(shared) * self.allocator.block_size
             num_tokens = self.first_chunk_size(seq.num_tokens - start, self._budget_left(out))
             if num_tokens == 0 or not self.allocator.can_allocate(seq, start + num_tokens, shared):

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     import torch
 
     from minillm.detokenizer import IncrementalDetokenizer
+    from minillm.logprobs import TokenLogprobs
 
 
 class SequenceStatus(Enum):
@@ -103,6 +104,8 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None  # set by the engine, which knows the tokenizer
     generator: torch.Generator | None = None  # None for greedy requests (see sampling.make_generator)
     drafter: Any = None  # speculative decoding's per-request state, made on its first draft
+    # With params.prompt_logprobs: entry j scores prompt token j + 1, filled in by the prefill
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @classmethod
     def from_prompt(
@@ -129,6 +132,20 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """True while the request wants prompt logprobs that its prefill has not yet made."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.prompt_len - 1
+
+    def record_prompt_logprobs(self, start: int, scored: list[TokenLogprobs]) -> None:
+        """Keep what a prefill chunk from position ``start`` scored (entry ``j`` scores token
+        ``start + 1 + j``), skipping positions already held: a preempted request computes its
+        prompt again, and scores it again, from the start."""
+        if start > len(self.prompt_logprobs):
+            raise RuntimeError(f"request {self.request_id!r}: prompt scored from {start}, "
+                               f"only {len(self.prompt_logprobs)} positions before it held")
+        self.prompt_logprobs += scored[len(self.prompt_logprobs) - start :]
 
     @property
     def is_finished(self) -> bool:
