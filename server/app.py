@@ -38,6 +38,7 @@ from server.dashboard import add_dashboard
 from server.engine_loop import AsyncEngine, EngineFailure, Event, QueueFull, Rejected, RequestStream, ShuttingDown
 from server.metrics import CONTENT_TYPE, Metrics
 from server.protocol import GenerationRequest, ModelCard, Responses, models_list, parse_chat, parse_completion, usage
+from server.tokens_api import add_token_routes
 from server.wire import OpenAIError, invalid, read_json, sse, write_within
 
 access_log = logging.getLogger("server.access")
@@ -81,6 +82,7 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    add_token_routes(app, state)  # /tokenize, /detokenize, /v1/models/{model}
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     add_dashboard(app, async_engine, state.metrics, card.max_model_len, locked=config.api_key is not None,
