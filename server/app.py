@@ -32,10 +32,12 @@ from typing import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from minillm.engine.llm_engine import LLMEngine
+from minillm.logprobs import TokenLogprobs
 from minillm.tokenizer import Tokenizer
 from server.config import ServerConfig
 from server.dashboard import add_dashboard
 from server.engine_loop import AsyncEngine, EngineFailure, Event, QueueFull, Rejected, RequestStream, ShuttingDown
+from server.logprobs_format import chat_logprobs, completion_logprobs, end_offset, unscored
 from server.metrics import CONTENT_TYPE, Metrics
 from server.protocol import GenerationRequest, ModelCard, Responses, models_list, parse_chat, parse_completion, usage
 from server.tokens_api import add_token_routes
@@ -227,6 +229,8 @@ class AccessRecord:
     first_output: float | None = None
     reasons: list[str] = field(default_factory=list)
     user: str | None = None
+    n: int = 1  # choices per prompt: a prompt's cache hit is counted once, from its first choice
+    cached_tokens: int = 0
 
     def write(self) -> None:
         now = time.monotonic()
@@ -264,7 +268,7 @@ async def _generate(request: web.Request, parse: Callable, prefix: str) -> web.S
     refused = False  # by the engine loop, before it took the request on
     try:
         req: GenerationRequest = parse(await read_json(request, state.client_timeout), state.tokenizer, state.card)
-        record.user = req.user
+        record.user, record.n = req.user, req.n
         choices = req.choices()
         try:
             stream = state.engine.submit(record.request_id, [p for p, _ in choices], [s for _, s in choices],
@@ -277,9 +281,10 @@ async def _generate(request: web.Request, parse: Callable, prefix: str) -> web.S
         state.metrics.prompt_tokens.inc(req.prompt_tokens)
         responses = Responses(record.request_id, state.card.name, req.chat, req.include_usage)
         events = _tracked(stream, record, state.metrics)
+        extras = Extras(req, state.tokenizer)
         if req.stream:
-            return await _stream(request, events, responses, record)
-        return await _whole(events, len(choices), responses, record)
+            return await _stream(request, events, responses, record, extras)
+        return await _whole(events, len(choices), responses, record, extras)
     except asyncio.CancelledError:  # the client went away
         record.status = CLIENT_GONE
         raise
@@ -302,6 +307,7 @@ async def _tracked(stream: RequestStream, record: AccessRecord, metrics: Metrics
             out = event.output
             metrics.generation_tokens.inc(len(out.new_token_ids))
             if out.finished:
+                record.cached_tokens += out.cached_tokens if event.index % record.n == 0 else 0
                 record.completion_tokens += out.completion_tokens
                 record.reasons.append(out.finish_reason or "")
                 metrics.choice_finished(out.finish_reason or "", out.times)
@@ -310,19 +316,48 @@ async def _tracked(stream: RequestStream, record: AccessRecord, metrics: Metrics
         raise as_openai_error(err) from None
 
 
-async def _whole(events: AsyncIterator[Event], n: int, responses: Responses, record: AccessRecord) -> web.Response:
+@dataclass
+class Extras:
+    """What a choice's answer carries beyond its generated text: with ``echo``, its prompt's
+    text first; with logprobs, each token's, in the endpoint's shape (``server.logprobs_format``)."""
+
+    req: GenerationRequest
+    tokenizer: Tokenizer
+
+    def prefix(self, index: int) -> str:
+        return self.tokenizer.decode(self.req.prompts[index // self.req.n]) if self.req.echo else ""
+
+    def entries(self, event: Event) -> list[TokenLogprobs]:
+        """The positions this output scored: the echoed prompt's (first output only), then its tokens'."""
+        out, prompt = event.output, self.req.prompts[event.index // self.req.n]
+        echoed = [unscored(prompt[0]), *out.prompt_logprobs] if self.req.echo and out.prompt_logprobs is not None else []
+        return echoed + (out.logprobs or [])
+
+    def shape(self, entries: list[TokenLogprobs], offset: int = 0) -> dict | None:
+        if not self.req.logprobs:
+            return None
+        if self.req.chat:
+            return chat_logprobs(self.tokenizer, entries)
+        return completion_logprobs(self.tokenizer, entries, offset)
+
+
+async def _whole(events: AsyncIterator[Event], n: int, responses: Responses, record: AccessRecord,
+                 extras: Extras) -> web.Response:
     """Collect every choice to the end, then answer once."""
-    texts: list[list[str]] = [[] for _ in range(n)]
+    texts: list[list[str]] = [[extras.prefix(i)] for i in range(n)]
     reasons: list[str | None] = [None] * n
+    scored: list[list[TokenLogprobs]] = [[] for _ in range(n)]
     async for event in events:
         texts[event.index].append(event.output.new_text)
         reasons[event.index] = event.output.finish_reason
-    counts = usage(record.prompt_tokens, record.completion_tokens)
-    return web.json_response(responses.full(["".join(t) for t in texts], reasons, counts))
+        scored[event.index] += extras.entries(event)
+    counts = usage(record.prompt_tokens, record.completion_tokens, record.cached_tokens)
+    return web.json_response(responses.full(["".join(t) for t in texts], reasons, counts,
+                                            [extras.shape(s) for s in scored]))
 
 
 async def _stream(request: web.Request, events: AsyncIterator[Event], responses: Responses,
-                  record: AccessRecord) -> web.StreamResponse:
+                  record: AccessRecord, extras: Extras) -> web.StreamResponse:
     """Server-sent events: a chunk whenever a choice has new text (or finishes), then the
     usage chunk if asked for, then ``data: [DONE]``.
 
@@ -338,16 +373,22 @@ async def _stream(request: web.Request, events: AsyncIterator[Event], responses:
         await write_within(request, response, None if data is None else sse(data), timeout)
 
     started: set[int] = set()
+    offsets: dict[int, int] = {}  # each choice's text_offset so far
     try:
         try:
             async for event in events:
-                out = event.output
-                if out.new_text or out.finished:
-                    await send(responses.chunk(event.index, out.new_text, out.finish_reason,
-                                               first=event.index not in started))
-                    started.add(event.index)
+                out, i = event.output, event.index
+                entries = extras.entries(event)
+                prefix = "" if i in started else extras.prefix(i)
+                if out.new_text or out.finished or entries or prefix:
+                    text = prefix + out.new_text
+                    logprobs = extras.shape(entries, offsets.get(i, 0))
+                    await send(responses.chunk(i, text, out.finish_reason, first=i not in started, logprobs=logprobs))
+                    started.add(i)
+                    offsets[i] = offsets.get(i, 0) + end_offset(extras.tokenizer, entries)
             if responses.include_usage:
-                await send(responses.usage_chunk(usage(record.prompt_tokens, record.completion_tokens)))
+                counts = usage(record.prompt_tokens, record.completion_tokens, record.cached_tokens)
+                await send(responses.usage_chunk(counts))
         except OpenAIError as err:
             record.status = err.status
             await send(err.body())

@@ -39,22 +39,32 @@ _KINDS: dict[str, Callable[[Any], bool]] = {
 }
 
 # Fields both endpoints read, with the JSON type each must have (null always means "default").
-# ``prompt``, ``messages`` and ``stop`` have richer shapes and are checked by their own code.
+# ``prompt``, ``messages``, ``stop`` and the rest marked None have richer shapes and are checked
+# by their own code. store, metadata, service_tier and parallel_tool_calls change nothing here
+# (nothing is stored, there is one tier, and no tools) and are accepted, as OpenAI accepts them.
 _COMMON = {
     "model": "a string", "max_tokens": "an integer", "temperature": "a number", "top_p": "a number",
     "top_k": "an integer", "seed": "an integer", "n": "an integer", "ignore_eos": "a boolean",
     "stream": "a boolean", "stream_options": "an object", "user": "a string",
+    "presence_penalty": "a number", "frequency_penalty": "a number", "repetition_penalty": "a number",
+    "logit_bias": "an object", "min_tokens": "an integer", "stop_token_ids": None, "stop": None,
+    "store": "a boolean", "metadata": "an object", "service_tier": "a string", "response_format": "an object",
 }
-_COMPLETION_FIELDS = {**_COMMON, "prompt": None, "stop": None}
-_CHAT_FIELDS = {**_COMMON, "messages": None, "stop": None, "max_completion_tokens": "an integer"}
-_KIND_OF = {**_COMPLETION_FIELDS, **_CHAT_FIELDS}
+_COMPLETION_FIELDS = {**_COMMON, "prompt": None, "logprobs": "an integer", "echo": "a boolean"}
+_CHAT_FIELDS = {**_COMMON, "messages": None, "max_completion_tokens": "an integer", "logprobs": "a boolean",
+                "top_logprobs": "an integer", "parallel_tool_calls": "a boolean"}
 
-# OpenAI fields we do not implement, accepted at their neutral value (many clients always send
-# them) and refused otherwise, rather than silently ignored.
-_NEUTRAL = {
-    "frequency_penalty": (0,), "presence_penalty": (0,), "logprobs": (False,), "top_logprobs": (0,),
-    "echo": (False,), "best_of": (1,), "suffix": (), "logit_bias": ({},),
+# OpenAI fields this server does not implement: refused by name unless at their neutral value
+# (many clients always send them), rather than silently ignored.
+_REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "best_of": (lambda v: v in (None, 1), "best_of > 1 is not supported by this server; use n"),
+    "suffix": (lambda v: v in (None, ""), "suffix (insertion) is not supported by this server"),
+    "tools": (lambda v: v in (None, []), "tools are not supported by this server"),
+    "tool_choice": (lambda v: v in (None, "none"), "tool_choice is not supported by this server"),
+    "functions": (lambda v: v in (None, []), "functions are not supported by this server"),
+    "function_call": (lambda v: v in (None, "none"), "function_call is not supported by this server"),
 }
+MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS = 5, 20  # OpenAI's limits for the two endpoints
 
 CHAT_ROLES = {"system": "", "developer": "", "user": "User: ", "assistant": "Assistant: "}
 
@@ -84,6 +94,13 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
+    echo: bool = False  # completions: the prompt's text (and logprobs) come before the completion's
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the response reports logprobs (chat's ``logprobs: true``, completions'
+        ``logprobs: k``)."""
+        return self.params.logprobs is not None
 
     def choices(self) -> list[tuple[list[int], SamplingParams]]:
         seed = self.params.seed
@@ -115,32 +132,34 @@ def parse_chat(body: Any, tokenizer: Tokenizer, card: ModelCard) -> GenerationRe
     _check_fields(body, _CHAT_FIELDS, card)
     prompt = tokenizer.encode(chat_prompt(body.get("messages")))
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return _request(body, True, [prompt], _field(body, param, None), card.max_model_len, card, param)
+    return _request(body, True, [prompt], _field(body, param, None, _CHAT_FIELDS), card.max_model_len, card, param)
 
 
 def _check_fields(body: Any, fields: dict[str, str | None], card: ModelCard) -> None:
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     for name, value in body.items():
-        if name in _NEUTRAL:
-            if value is not None and value not in _NEUTRAL[name]:
-                raise invalid(f"{name} is not supported by this server", name)
+        if name in _REFUSED:
+            neutral, message = _REFUSED[name]
+            if not neutral(value):
+                raise invalid(message, name)
         elif name not in fields:
             raise invalid(f"unrecognized request argument supplied: {name}", name)
         elif fields[name] is not None:
-            _field(body, name, None)
+            _field(body, name, None, fields)
     model = body.get("model")
     if model is not None and model != card.name:
         raise OpenAIError(404, f"the model {model!r} does not exist; this server serves {card.name!r}",
                           "invalid_request_error", "model", "model_not_found")
 
 
-def _field(body: dict, name: str, default: Any) -> Any:
-    """``body[name]`` checked against its JSON type, or ``default`` when absent or null."""
+def _field(body: dict, name: str, default: Any, fields: dict[str, str | None] | None = None) -> Any:
+    """``body[name]`` checked against its JSON type in ``fields`` (by default the type both
+    endpoints agree on), or ``default`` when absent or null."""
     value = body.get(name)
     if value is None:
         return default
-    kind = _KIND_OF[name]
+    kind = (fields or _COMMON)[name]
     if kind is not None and not _KINDS[kind](value):
         raise invalid(f"{name} must be {kind}, got {_short(value)}", name)
     return value
@@ -214,8 +233,11 @@ def _request(body: dict, chat: bool, prompts: list[list[int]], max_tokens: int |
     if room < 1:
         raise invalid(f"this model's maximum context length is {card.max_model_len} tokens, "
                       f"and the prompt has {longest}, leaving no room to generate", prompt_param)
-    if max_tokens is not None and max_tokens < 1:
-        raise invalid(f"{max_tokens_param} must be >= 1, got {max_tokens}", max_tokens_param)
+    echo = not chat and _field(body, "echo", False, _COMPLETION_FIELDS)
+    least = 0 if echo else 1  # max_tokens 0 with echo scores the prompt without generating
+    if max_tokens is not None and max_tokens < least:
+        raise invalid(f"{max_tokens_param} must be >= {least}{'' if echo else ' (0 only with echo)'}, "
+                      f"got {max_tokens}", max_tokens_param)
     if max_tokens is not None and max_tokens > room:
         raise invalid(f"this model's maximum context length is {card.max_model_len} tokens; you requested "
                       f"{longest + max_tokens} ({longest} in the prompt, {max_tokens} in the completion)",
@@ -238,6 +260,8 @@ def _request(body: dict, chat: bool, prompts: list[list[int]], max_tokens: int |
     temperature = _field(body, "temperature", 1.0)
     if not 0 <= temperature <= MAX_TEMPERATURE:
         raise invalid(f"temperature must be in 0..{MAX_TEMPERATURE:g}, got {_short(temperature)}", "temperature")
+    logprobs = _logprobs(body, chat)
+    _response_format(body)
     try:
         params = SamplingParams(
             max_tokens=min(default_max, room) if max_tokens is None else max_tokens,
@@ -245,12 +269,57 @@ def _request(body: dict, chat: bool, prompts: list[list[int]], max_tokens: int |
             top_p=_field(body, "top_p", 1.0),
             top_k=None if top_k == -1 else top_k,  # vLLM's -1 also means "all tokens"
             stop=_stop(body.get("stop")),
+            stop_token_ids=body.get("stop_token_ids") or [],
             ignore_eos=_field(body, "ignore_eos", False),
             seed=seed,
+            presence_penalty=_field(body, "presence_penalty", 0.0),
+            frequency_penalty=_field(body, "frequency_penalty", 0.0),
+            repetition_penalty=_field(body, "repetition_penalty", 1.0),
+            logit_bias=_logit_bias(body, card.vocab_size),
+            min_tokens=_field(body, "min_tokens", 0),
+            logprobs=logprobs,
+            prompt_logprobs=(logprobs or 0) if echo and (logprobs is not None or max_tokens == 0) else None,
         )
-    except ValueError as err:
+    except (ValueError, TypeError) as err:
         raise invalid(str(err), str(err).split()[0]) from None
-    return GenerationRequest(chat, prompts, params, n, stream, include_usage, _field(body, "user", None))
+    return GenerationRequest(chat, prompts, params, n, stream, include_usage, _field(body, "user", None), echo)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives to report per token, or None for no logprobs: completions'
+    ``logprobs`` (0..5), chat's ``top_logprobs`` (0..20, with ``logprobs: true``)."""
+    if not chat:
+        k = _field(body, "logprobs", None, _COMPLETION_FIELDS)
+        if k is not None and not 0 <= k <= MAX_COMPLETION_LOGPROBS:
+            raise invalid(f"logprobs must be in 0..{MAX_COMPLETION_LOGPROBS}, got {_short(k)}", "logprobs")
+        return k
+    wanted, k = _field(body, "logprobs", False, _CHAT_FIELDS), _field(body, "top_logprobs", None, _CHAT_FIELDS)
+    if k is not None and not wanted:
+        raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+    if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise invalid(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {_short(k)}", "top_logprobs")
+    return (k or 0) if wanted else None
+
+
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: a JSON object from token ids (as strings) to -100..100."""
+    bias = _field(body, "logit_bias", {})
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdecimal() and int(key) < vocab_size):
+            raise invalid(f"logit_bias keys must be token ids in 0..{vocab_size - 1}, got {_short(key)}", "logit_bias")
+        if not _KINDS["a number"](value):
+            raise invalid(f"logit_bias values must be numbers, got {_short(value)}", "logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def _response_format(body: dict) -> None:
+    """``{"type": "text"}`` is what every answer here is; constrained formats are refused."""
+    kind = (_field(body, "response_format", None) or {"type": "text"}).get("type")
+    if kind != "text":
+        raise invalid(f"response_format type {_short(kind)} is not supported by this server (only \"text\")",
+                      "response_format")
 
 
 def _count_choices(prompts: int, n: int) -> int:
@@ -277,9 +346,11 @@ def _stop(stop: Any) -> list[str]:
 # ----------------------------------------------------------------------------- responses
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens the prefix cache held."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 @dataclass
@@ -295,25 +366,29 @@ class Responses:
     def _envelope(self, kind: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def full(self, texts: list[str], reasons: list[str | None], counts: dict) -> dict:
-        """The non-streaming answer: every choice's whole text, and the usage."""
+    def full(self, texts: list[str], reasons: list[str | None], counts: dict,
+             logprobs: list[dict | None] | None = None) -> dict:
+        """The non-streaming answer: every choice's whole text (and logprobs), and the usage."""
+        logprobs = logprobs or [None] * len(texts)
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
-                        "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
+            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp,
+                        "finish_reason": r} for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))]
         else:
-            choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
-                       for i, (t, r) in enumerate(zip(texts, reasons))]
+            choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": r}
+                       for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))]
         kind = "chat.completion" if self.chat else "text_completion"
         return {**self._envelope(kind, choices), "usage": counts}
 
-    def chunk(self, index: int, text: str, finish_reason: str | None = None, *, first: bool = False) -> dict:
-        """One streamed piece of one choice. A chat stream opens each choice with the
-        assistant's role, as OpenAI's does; ``usage`` is null until the usage chunk."""
+    def chunk(self, index: int, text: str, finish_reason: str | None = None, *, first: bool = False,
+              logprobs: dict | None = None) -> dict:
+        """One streamed piece of one choice, with its tokens' ``logprobs`` when asked. A chat
+        stream opens each choice with the assistant's role, as OpenAI's does; ``usage`` is
+        null until the usage chunk."""
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
         return {**body, "usage": None} if self.include_usage else body
 

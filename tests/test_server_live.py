@@ -119,7 +119,10 @@ def test_the_official_openai_client(model: GPT) -> None:
         chunks = list(client.chat.completions.create(messages=messages, stream=True,
                                                      stream_options={"include_usage": True}, **greedy))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
-        assert chunks[-1].usage.model_dump() == chat.usage.model_dump()
+        last, first = chunks[-1].usage, chat.usage
+        assert (last.prompt_tokens, last.completion_tokens) == (first.prompt_tokens, first.completion_tokens)
+        # the same prompt again: the prefix cache now holds its full blocks
+        assert first.prompt_tokens_details.cached_tokens == 0 < last.prompt_tokens_details.cached_tokens
 
         with pytest.raises(openai.BadRequestError) as bad:
             client.completions.create(model="minillm", prompt="hi", temperature=-1)
