@@ -269,7 +269,7 @@ def _request(body: dict, chat: bool, prompts: list[list[int]], max_tokens: int |
             top_p=_field(body, "top_p", 1.0),
             top_k=None if top_k == -1 else top_k,  # vLLM's -1 also means "all tokens"
             stop=_stop(body.get("stop")),
-            stop_token_ids=body.get("stop_token_ids") or [],
+            stop_token_ids=_token_list(body, "stop_token_ids"),
             ignore_eos=_field(body, "ignore_eos", False),
             seed=seed,
             presence_penalty=_field(body, "presence_penalty", 0.0),
@@ -280,7 +280,7 @@ def _request(body: dict, chat: bool, prompts: list[list[int]], max_tokens: int |
             logprobs=logprobs,
             prompt_logprobs=(logprobs or 0) if echo and (logprobs is not None or max_tokens == 0) else None,
         )
-    except (ValueError, TypeError) as err:
+    except ValueError as err:
         raise invalid(str(err), str(err).split()[0]) from None
     return GenerationRequest(chat, prompts, params, n, stream, include_usage, _field(body, "user", None), echo)
 
@@ -299,6 +299,14 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
         raise invalid(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {_short(k)}", "top_logprobs")
     return (k or 0) if wanted else None
+
+
+def _token_list(body: dict, name: str) -> list:
+    """A JSON list (its items are checked by ``SamplingParams``), or ``[]`` when absent."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, list):
+        raise invalid(f"{name} must be a list of token ids, got {_short(value)}", name)
+    return value or []
 
 
 def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:

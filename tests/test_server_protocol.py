@@ -114,6 +114,11 @@ def test_chat_template() -> None:
     ({"prompt": "hi", "stream_options": {"include_usage": "yes"}, "stream": True}, "stream_options"),
     ({"prompt": "hi", "n": 65}, "n"),
     ({"prompt": "hi", "best_of": 3}, "best_of"),
+    ({"prompt": "hi", "stop_token_ids": 5}, "stop_token_ids"),
+    ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"1": "a"}}, "logit_bias"),
+    ({"prompt": "hi", "min_tokens": 1.5}, "min_tokens"),
+    ({"prompt": "hi", "echo": "yes"}, "echo"),
 ])
 def test_more_bad_fields_name_their_param(body, param) -> None:
     with pytest.raises(OpenAIError) as err:
@@ -337,3 +342,20 @@ def test_a_huge_number_is_not_echoed_back_in_full(tok: Tokenizer) -> None:
     for field in ("temperature", "top_k", "seed"):
         err = refusal(parse_completion, {"prompt": "hi", field: 10**1000}, tok)
         assert err.param == field and len(err.body()["error"]["message"]) < 200
+
+
+CHAT_LOGPROBS = {
+    "top_logprobs at most 20": ({"logprobs": True, "top_logprobs": 20}, {"logprobs": True, "top_logprobs": 21},
+                                "top_logprobs"),
+    "top_logprobs needs logprobs": ({"logprobs": True, "top_logprobs": 0}, {"top_logprobs": 2}, "top_logprobs"),
+    "logprobs is a boolean in chat": ({"logprobs": False}, {"logprobs": 3}, "logprobs"),
+    "echo is completions'": ({}, {"echo": True}, "echo"),
+}
+
+
+@pytest.mark.parametrize("accepted, refused, param", CHAT_LOGPROBS.values(), ids=CHAT_LOGPROBS)
+def test_chat_logprob_fields_at_their_edges(accepted: dict, refused: dict, param: str, tok: Tokenizer) -> None:
+    messages = {"messages": [{"role": "user", "content": "hi"}]}
+    req = parse_chat({**messages, **accepted}, tok, CARD)
+    assert req.params.logprobs == (accepted.get("top_logprobs", 0) if accepted.get("logprobs") else None)
+    assert refusal(parse_chat, {**messages, **refused}, tok).param == param
