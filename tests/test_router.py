@@ -242,8 +242,16 @@ def fake_app(fake: Fake) -> web.Application:
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(text=f"minillm:num_requests_waiting {fake.waiting}\n")
 
+    async def echo_route(request: web.Request) -> web.Response:
+        """The token and model routes: say which path and body arrived."""
+        body = await request.json() if request.method == "POST" else None
+        return web.json_response({"path": request.path, "body": body})
+
     app = web.Application()
     app.router.add_post("/v1/completions", complete)
+    app.router.add_post("/tokenize", echo_route)
+    app.router.add_post("/detokenize", echo_route)
+    app.router.add_get("/v1/models/{model:.+}", echo_route)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app
@@ -350,6 +358,17 @@ def test_a_refusal_goes_to_another_replica_and_the_last_refusal_reaches_the_clie
                 assert response.status == 429
                 assert (await response.json())["error"]["code"] == "rate_limit_exceeded"
             assert state.replicas.replicas[0].requests == 1  # one replica: tried once, not three times
+
+    run(main())
+
+
+def test_the_token_and_model_routes_are_forwarded() -> None:
+    async def main() -> None:
+        async with router_over([Fake()]) as (url, state, session):
+            for method, path, body in [("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [1]}),
+                                       ("GET", "/v1/models/org/tiny", None)]:
+                async with session.request(method, f"{url}{path}", json=body) as response:
+                    assert response.status == 200 and await response.json() == {"path": path, "body": body}
 
     run(main())
 
