@@ -16,23 +16,32 @@ and changes nothing; ``<|endoftext|>`` in a prompt is ordinary text here as it i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
+from minillm.tokenizer import Tokenizer
 from server.protocol import ModelCard, chat_prompt, models_list
 from server.wire import OpenAIError, invalid, read_json
 
-if TYPE_CHECKING:
-    from server.app import State
 
-SERVED: web.AppKey[State] = web.AppKey("tokens_api.state")
+class Served(Protocol):
+    """What these routes read of the server's state (``server.app.State``, which imports this
+    module, so it is described here rather than imported)."""
+
+    tokenizer: Tokenizer
+    card: ModelCard
+    created: int
+    client_timeout: float
+
+
+SERVED: web.AppKey[Served] = web.AppKey("tokens_api.state")
 
 _TOKENIZE_FIELDS = {"prompt", "messages", "add_special_tokens", "return_token_strs", "model"}
 _DETOKENIZE_FIELDS = {"tokens", "model"}
 
 
-def add_token_routes(app: web.Application, state: State) -> None:
+def add_token_routes(app: web.Application, state: Served) -> None:
     app[SERVED] = state
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
