@@ -4,6 +4,7 @@
 import json
 
 import pytest
+import torch
 
 from minillm.bench import engine as eb
 from minillm.bench.__main__ import main, parse_range
@@ -107,3 +108,15 @@ def test_the_training_benchmark_reports_each_part_and_each_version(tmp_path, cap
     assert all(name in printed for name in TB.VARIANTS) and "vs plain" in printed
     with pytest.raises(UsageError, match="--repeats"):
         main(["training", "--preset", "tiny", "--repeats", "0"])
+
+
+def test_the_decode_profile_times_every_phase_it_names() -> None:
+    """Chapter 11's profile wraps the engine's phases by name: a renamed one must fail here."""
+    from minillm.bench.profile import profile_decode
+    from minillm.config import get_preset
+    from minillm.model import GPT
+
+    torch.manual_seed(0)
+    phases = profile_decode(GPT(get_preset("tiny")).eval(), 2, "ours, plain eager", 2)["phases"]
+    assert {"schedule", "step tensors", "forward", "LM head", "sampling", "bookkeeping"} <= set(phases)
+    assert all(phases[p] > 0 for p in ("forward", "LM head", "sampling"))

@@ -76,7 +76,7 @@ def _instrument(engine: LLMEngine, timer: PhaseTimer) -> Callable[[], None]:
         (engine.scheduler, "schedule", "schedule"), (engine.scheduler, "postprocess", "bookkeeping"),
         (engine, "_append", "bookkeeping"), (runner, "flatten", "step tensors"),
         (runner, "decode_groups", "step tensors"), (runner, "_prefill_chunks", "step tensors"),
-        (model_runner, "_sample", "sampling"),
+        (model_runner, "_choose", "sampling"),
     ]
     if graphs is None:
         patches += [(model, "hidden_states", "forward"), (model, "logits", "LM head")]
