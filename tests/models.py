@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import torch
 
-from minillm.config import get_preset
+from minillm.config import ModelConfig, get_preset
 from minillm.model import GPT
+
+
+def tiny_model(context_length: int = 128) -> GPT:
+    """A small random model with large weights: peaky logits, so greedy decoding has no
+    near-ties for batching or rounding to break differently."""
+    torch.manual_seed(0)
+    m = GPT(ModelConfig(context_length=context_length, d_model=64, n_layers=2, n_heads=4)).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    return m
 
 
 def lively_tiny() -> GPT:

@@ -19,7 +19,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import pytest
 from browser import headless_chromium
-from test_server_live import Live, live_server, small_engine, tiny_model
+from models import tiny_model
+from test_server_live import Live, live_server, small_engine
 
 from minillm.engine.llm_engine import EngineStats
 from minillm.model import GPT

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_server_live import live_server, small_engine, tiny_model
+from models import tiny_model
+from test_server_live import live_server, small_engine
 
 from minillm.model import GPT
 from minillm.tokenizer import bpe_files, get_tokenizer

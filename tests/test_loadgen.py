@@ -16,7 +16,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from test_server_live import Gate, live_server, small_engine, tiny_model
+from models import tiny_model
+from test_server_live import Gate, live_server, small_engine
 
 from minillm.cli import UsageError
 from minillm.engine.llm_engine import EngineConfig, LLMEngine

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
+from models import tiny_model
 
-from minillm.config import ModelConfig
 from minillm.engine import LLM, SamplingParams
 from minillm.logprobs import TokenLogprobs
 from minillm.model import GPT
@@ -13,13 +13,7 @@ TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def model() -> GPT:
-    torch.manual_seed(0)
-    m = GPT(ModelConfig(context_length=96, d_model=64, n_layers=2, n_heads=4)).eval()
-    with torch.no_grad():
-        for w in m.parameters():
-            if w.dim() > 1:
-                w.normal_(0, 0.2)
-    return m
+    return tiny_model(context_length=96)
 
 
 def log_softmax_rows(model: GPT, ids: list[int]) -> torch.Tensor:

@@ -5,8 +5,8 @@ from collections import Counter
 
 import pytest
 import torch
+from models import tiny_model
 
-from minillm.config import ModelConfig
 from minillm.engine import LLM, SamplingParams
 from minillm.engine import model_runner
 from minillm.model import GPT
@@ -68,13 +68,7 @@ def test_penalties_never_touch_a_token_the_row_has_not_seen():
 
 @pytest.fixture(scope="module")
 def model() -> GPT:
-    torch.manual_seed(0)
-    m = GPT(ModelConfig(context_length=96, d_model=64, n_layers=2, n_heads=4)).eval()
-    with torch.no_grad():
-        for w in m.parameters():
-            if w.dim() > 1:
-                w.normal_(0, 0.2)
-    return m
+    return tiny_model(context_length=96)
 
 
 def greedy_reference(model: GPT, prompt: list[int], p: SamplingParams, eos: int) -> list[int]:

@@ -23,12 +23,11 @@ from typing import Callable, Iterator
 import aiohttp
 import openai
 import pytest
-import torch
 from aiohttp import web
+from models import tiny_model
 
 from minillm.checkpoint import save_checkpoint
 from minillm.cli import UsageError
-from minillm.config import ModelConfig
 from minillm.engine.llm_engine import EngineConfig, EngineStats, LLMEngine
 from minillm.model import GPT
 from minillm.tokenizer import get_tokenizer
@@ -37,16 +36,6 @@ from server.app import STATE, create_app
 from server.config import ServerConfig
 from server.launch import start_server
 
-
-
-def tiny_model(context_length: int = 128) -> GPT:
-    torch.manual_seed(0)
-    m = GPT(ModelConfig(context_length=context_length, d_model=64, n_layers=2, n_heads=4)).eval()
-    with torch.no_grad():  # peaky logits: greedy decoding has no near-ties
-        for p in m.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
-    return m
 
 
 @pytest.fixture(scope="module")

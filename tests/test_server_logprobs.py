@@ -7,7 +7,8 @@ import concurrent.futures
 import openai
 import pytest
 import torch
-from test_server_live import live_server, small_engine, tiny_model
+from models import tiny_model
+from test_server_live import live_server, small_engine
 
 from minillm.model import GPT
 from minillm.tokenizer import get_tokenizer
