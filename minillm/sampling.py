@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from minillm.structured import schema_error
 
 
 # A seed seeds a torch.Generator, which takes a 64-bit integer; like vLLM, take the signed range
@@ -61,6 +64,11 @@ class SamplingParams:
       from the raw logits: before penalties, temperature and filters, as vLLM reports them.
     - ``prompt_logprobs``: the same for every prompt token after the first, computed during
       the prefill; with it, ``max_tokens`` may be 0: score the prompt, generate nothing.
+
+    What shape the text must take (:mod:`minillm.structured`):
+
+    - ``json_schema``: a JSON Schema the output must be an instance of (``{"type": "object"}``
+      for any JSON object); each step masks out the tokens that could not lead to one.
     """
 
     max_tokens: int = 16
@@ -78,6 +86,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    json_schema: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -115,6 +124,8 @@ class SamplingParams:
         for bad, message in problems:
             if bad:
                 raise ValueError(message)
+        if self.json_schema is not None and (problem := schema_error(self.json_schema)):
+            raise ValueError(f"json_schema is not usable: {problem}")
         self.temperature = float(self.temperature)
         self.logit_bias = {t: float(b) for t, b in self.logit_bias.items() if b != 0}
 
@@ -140,8 +151,9 @@ class SamplingParams:
     def token_by_token(self) -> bool:
         """True when every position needs its own adjusted or reported logits, which
         speculative decoding's one-pass verification of a draft does not give; such a request
-        decodes one token per step."""
-        return self.adjusts or self.logprobs is not None
+        decodes one token per step. So does a request held to a schema: its mask depends on
+        every token before it."""
+        return self.adjusts or self.logprobs is not None or self.json_schema is not None
 
 
 def _is_int(x: object) -> bool:

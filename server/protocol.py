@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from minillm.sampling import SEED_MAX, SEED_MIN, SamplingParams
+from minillm.structured import JSON_OBJECT_SCHEMA, schema_error
 from minillm.tokenizer import Tokenizer
 from server.wire import OpenAIError, invalid
 
@@ -261,7 +262,7 @@ def _request(body: dict, chat: bool, prompts: list[list[int]], max_tokens: int |
     if not 0 <= temperature <= MAX_TEMPERATURE:
         raise invalid(f"temperature must be in 0..{MAX_TEMPERATURE:g}, got {_short(temperature)}", "temperature")
     logprobs = _logprobs(body, chat)
-    _response_format(body)
+    json_schema = _response_format(body)
     try:
         params = SamplingParams(
             max_tokens=min(default_max, room) if max_tokens is None else max_tokens,
@@ -279,6 +280,7 @@ def _request(body: dict, chat: bool, prompts: list[list[int]], max_tokens: int |
             min_tokens=_field(body, "min_tokens", 0),
             logprobs=logprobs,
             prompt_logprobs=(logprobs or 0) if echo and (logprobs is not None or max_tokens == 0) else None,
+            json_schema=json_schema,
         )
     except ValueError as err:
         raise invalid(str(err), str(err).split()[0]) from None
@@ -322,12 +324,28 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
     return out
 
 
-def _response_format(body: dict) -> None:
-    """``{"type": "text"}`` is what every answer here is; constrained formats are refused."""
-    kind = (_field(body, "response_format", None) or {"type": "text"}).get("type")
-    if kind != "text":
-        raise invalid(f"response_format type {_short(kind)} is not supported by this server (only \"text\")",
+def _response_format(body: dict) -> dict | None:
+    """The JSON Schema the answer must follow, or None for free text: OpenAI's
+    ``{"type": "json_object"}`` (any object) and ``{"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}}}`` (``strict`` and ``description`` change nothing: every
+    schema here is enforced)."""
+    fmt = _field(body, "response_format", None) or {"type": "text"}
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JSON_OBJECT_SCHEMA
+    if kind != "json_schema":
+        raise invalid(f"response_format type must be \"text\", \"json_object\" or \"json_schema\", got {_short(kind)}",
                       "response_format")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("schema"), dict):
+        raise invalid("response_format json_schema must be an object with a \"name\" (a string) and a \"schema\" "
+                      "(an object)", "response_format")
+    problem = schema_error(spec["schema"])
+    if problem:
+        raise invalid(f"response_format json_schema cannot be enforced: {problem[:300]}", "response_format")
+    return spec["schema"]
 
 
 def _count_choices(prompts: int, n: int) -> int:

@@ -142,7 +142,7 @@ def test_usage_reports_the_prefix_cache(client) -> None:
 
 def test_refusals_and_accepted_no_ops(client) -> None:
     for extra, param in [({"best_of": 2}, "best_of"), ({"suffix": "x"}, "suffix"),
-                         ({"response_format": {"type": "json_object"}}, "response_format")]:
+                         ({"response_format": {"type": "regex"}}, "response_format")]:
         with pytest.raises(openai.BadRequestError) as bad:
             client.completions.create(prompt="hi", extra_body=extra, model="minillm")
         assert bad.value.body["param"] == param

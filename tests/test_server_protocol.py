@@ -220,8 +220,17 @@ COMPLETION_EDGES = {
     "max_tokens 0 only with echo": ({"prompt": "hi there", "max_tokens": 0, "echo": True},
                                     {"prompt": "hi there", "max_tokens": 0}, "max_tokens"),
     "suffix only empty": ({"prompt": "hi", "suffix": ""}, {"prompt": "hi", "suffix": "end"}, "suffix"),
-    "response_format only text": ({"prompt": "hi", "response_format": {"type": "text"}},
-                                  {"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
+    "response_format types": ({"prompt": "hi", "response_format": {"type": "json_object"}},
+                              {"prompt": "hi", "response_format": {"type": "yaml"}}, "response_format"),
+    "json_schema has a name": (
+        {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+        {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format"),
+    "json_schema is enforceable": (
+        {"prompt": "hi", "response_format": {"type": "json_schema",
+                                             "json_schema": {"name": "x", "schema": {"type": "integer"}}}},
+        {"prompt": "hi", "response_format": {"type": "json_schema",
+                                             "json_schema": {"name": "x", "schema": {"type": "integr"}}}},
+        "response_format"),
 }
 
 

@@ -31,6 +31,7 @@ from minillm.logprobs import TokenLogprobs
 from minillm.model import GPT
 from minillm.packed import pack_weights, packing_unsupported
 from minillm.sampling import SamplingParams, make_generator
+from minillm.structured import GrammarCompiler
 from minillm.tokenizer import Tokenizer, get_tokenizer
 from minillm.units import parse_memory
 
@@ -183,6 +184,7 @@ class LLMEngine:
         self.model = model = _engine_model(plain, config)
         self.config = config
         self.tokenizer = tokenizer or get_tokenizer()
+        self.grammars = GrammarCompiler(self.tokenizer)  # for requests held to a JSON Schema
         if config.attention == "triton":  # fail now, not in the first request
             _require_triton(model.device)
         self.eager_reason = _eager_reason(plain, config)
@@ -240,6 +242,7 @@ class LLMEngine:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
             generator=make_generator(params, self.model.device),
+            grammar=None if params.json_schema is None else self.grammars.compile(params.json_schema),
         )
         self.scheduler.add(seq)
         return seq
@@ -280,7 +283,7 @@ class LLMEngine:
         for token in tokens:
             seq.append_token(token, now)
             appended.append(token)
-            if seq.finish_reason is not FinishReason.STOP:  # a stop token is not text
+            if not seq.is_stop_token(token):
                 text.append(detok.add(token))
             if detok.stopped and not seq.is_finished:
                 seq.finish(FinishReason.STOP, now)

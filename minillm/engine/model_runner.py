@@ -13,9 +13,10 @@ returns a list of tokens per chunk: none for a partial prefill, one for most chu
 accepted drafts plus one more for a speculative decode.
 
 What a request asks beyond a token comes from the same logits, in the same step: penalties and
-biases adjust its row before sampling (:mod:`minillm.penalties`), logprobs score the chosen
-token from the raw row (:mod:`minillm.logprobs`), and prompt logprobs run the LM head over the
-prompt rows of its prefill, which every other request skips.
+biases adjust its row before sampling (:mod:`minillm.penalties`), a schema masks it
+(:mod:`minillm.structured`), logprobs score the chosen token from the raw row
+(:mod:`minillm.logprobs`), and prompt logprobs run the LM head over the prompt rows of its
+prefill, which every other request skips.
 
 A step of decodes only, given :class:`~minillm.engine.decode_graphs.DecodeGraphs`, runs as a
 captured program instead (a CUDA graph, or Inductor's compiled code on a CPU); every other
@@ -37,6 +38,7 @@ from minillm.logprobs import TokenLogprobs, token_logprobs
 from minillm.model import GPT
 from minillm.penalties import adjust_logits
 from minillm.sampling import sample
+from minillm.structured import allowed_tokens, mask_logits
 from minillm.speculative import Draft, accept
 
 
@@ -192,20 +194,13 @@ def _choose(seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | N
     """One token per row of ``logits`` for ``seqs``, with its logprobs where asked.
 
     ``greedy``, the rows' argmax when the step computed it already, answers a batch of greedy
-    rows that adjust nothing. Rows whose requests adjust their logits (penalties, biases,
-    ``min_tokens``) are adjusted, alone, before the sampler sees them; logprobs are read from
-    the raw rows.
+    rows that change nothing. Rows whose requests adjust their logits (penalties, biases,
+    ``min_tokens``) are adjusted, and rows held to a schema masked, before the sampler sees
+    them; logprobs are read from the raw rows.
     """
     params = [s.params for s in seqs]
-    adjusting = [i for i, p in enumerate(params) if p.adjusts]
-    chosen_from = logits
-    if adjusting:
-        index = torch.tensor(adjusting, device=logits.device)
-        picked = [seqs[i] for i in adjusting]
-        chosen_from = logits.index_copy(0, index, adjust_logits(
-            logits[index], [s.params for s in picked], [s.token_ids[: s.prompt_len] for s in picked],
-            [s.output_ids for s in picked], [s.eos_token_id for s in picked]))
-    if greedy is not None and not adjusting and all(p.greedy for p in params):
+    chosen_from = _shaped_logits(seqs, logits)
+    if greedy is not None and chosen_from is logits and all(p.greedy for p in params):
         tokens = greedy
     else:
         tokens = sample(chosen_from, params, [s.generator for s in seqs])
@@ -217,6 +212,27 @@ def _choose(seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | N
         for i, lp in zip(asking, scored):
             outputs[i].logprobs = [lp]
     return outputs
+
+
+def _shaped_logits(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` as the sampler must see them: the rows whose requests adjust them
+    (:mod:`minillm.penalties`) adjusted, and the rows held to a grammar masked
+    (:mod:`minillm.structured`), in that order. With no such row, ``logits`` itself: the
+    other requests pay nothing."""
+    adjusting = [i for i, s in enumerate(seqs) if s.params.adjusts]
+    constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    if not adjusting and not constrained:
+        return logits
+    shaped = logits.clone()
+    if adjusting:
+        picked = [seqs[i] for i in adjusting]
+        shaped[adjusting] = adjust_logits(
+            logits[adjusting], [s.params for s in picked], [s.token_ids[: s.prompt_len] for s in picked],
+            [s.output_ids for s in picked], [s.eos_token_id for s in picked])
+    if constrained:
+        allowed = allowed_tokens([seqs[i].grammar for i in constrained], logits.shape[1], logits.device)
+        shaped[constrained] = mask_logits(shaped[constrained], allowed)
+    return shaped
 
 
 def _cumulative_ends(chunks: list[ScheduledChunk]) -> list[int]:

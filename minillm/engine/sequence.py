@@ -10,9 +10,10 @@ rest is bookkeeping that the scheduler and the allocator need:
 - ``num_computed_tokens``: how many leading tokens already have their K/V in those blocks.
   Everything after them still has to go through the model.
 - timestamps, so the server can report queue time, time to first token and inter-token latency.
-- what the request owns while it lives: its detokenizer, its random generator and, with
-  speculative decoding, its drafter. The sequence is the request's one record: finishing a
-  request is dropping this object, with nothing keyed by its id left to clean up elsewhere.
+- what the request owns while it lives: its detokenizer, its random generator, with
+  speculative decoding its drafter, and held to a schema its grammar. The sequence is the
+  request's one record: finishing a request is dropping this object, with nothing keyed by
+  its id left to clean up elsewhere.
 
 The one rule that is not bookkeeping lives in :meth:`Sequence.append_token`: when to stop.
 """
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 
     from minillm.detokenizer import IncrementalDetokenizer
     from minillm.logprobs import TokenLogprobs
+    from minillm.structured import TokenGrammar
 
 
 class SequenceStatus(Enum):
@@ -104,6 +106,7 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None  # set by the engine, which knows the tokenizer
     generator: torch.Generator | None = None  # None for greedy requests (see sampling.make_generator)
     drafter: Any = None  # speculative decoding's per-request state, made on its first draft
+    grammar: TokenGrammar | None = None  # with params.json_schema: which tokens may come next
     # With params.prompt_logprobs: entry j scores prompt token j + 1, filled in by the prefill
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
@@ -161,22 +164,28 @@ class Sequence:
         """Add one sampled token, record when it came, and finish if it ends the request.
 
         A stop wins over a length limit when one token is both (an end-of-text token that is
-        also the last allowed one reports ``"stop"``, as vLLM and OpenAI do). Appending to a
+        also the last allowed one reports ``"stop"``, as vLLM and OpenAI do). A request held to
+        a schema stops as soon as its value is complete, with no end-of-text token to wait
+        for (and so even with ``ignore_eos``: the grammar allows nothing more). Appending to a
         finished sequence is a bug in the caller (for example a sequence aborted while its
         step ran), so it raises instead of silently growing a finished answer.
         """
         if self.is_finished:
             raise RuntimeError(f"request {self.request_id!r} is finished ({self.finish_reason}); cannot append")
+        if self.grammar is not None:
+            self.grammar.accept(token)
         self.token_ids.append(token)
         if self.first_token_time is None:
             self.first_token_time = now
         self.token_times.append(now)
-        if self._is_stop_token(token):
+        if self.is_stop_token(token) or (self.grammar is not None and self.grammar.done):
             self.finish(FinishReason.STOP, now)
         elif self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
             self.finish(FinishReason.LENGTH, now)
 
-    def _is_stop_token(self, token: int) -> bool:
+    def is_stop_token(self, token: int) -> bool:
+        """True if ``token`` ends this request by being what it is (end-of-text, unless
+        ignored, or one of ``stop_token_ids``): such a token is not part of the text."""
         eos = token == self.eos_token_id and not self.params.ignore_eos
         return eos or token in self.params.stop_token_ids
 
