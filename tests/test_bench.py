@@ -120,3 +120,29 @@ def test_the_decode_profile_times_every_phase_it_names() -> None:
     phases = profile_decode(GPT(get_preset("tiny")).eval(), 2, "ours, plain eager", 2)["phases"]
     assert {"schedule", "step tensors", "forward", "LM head", "sampling", "bookkeeping"} <= set(phases)
     assert all(phases[p] > 0 for p in ("forward", "LM head", "sampling"))
+
+
+def test_the_extras_benchmark_times_each_extra_on_the_rows_it_says(tmp_path, capsys) -> None:
+    """Every variant's engine holds 32 decoding requests of which exactly the named count ask
+    for the extra (a schema-held row has a grammar, and its long answer keeps it masked to the
+    end), and the report has one row per variant with plain as the unit."""
+    from minillm.bench import extras as XB
+    from minillm.model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(get_preset("tiny")).eval()
+    engine = XB._engine(model, 1, XB.EXTRAS["json_schema"], max_tokens=8)
+    running = engine.scheduler.running
+    assert len(running) == XB.BATCH and all(s.num_output_tokens == 1 for s in running)
+    assert sum(s.grammar is not None for s in running) == 1
+    for _ in range(6):
+        engine.step()
+    assert all(not s.is_finished for s in running)  # still inside the 4,000-character string
+    assert main(["extras", "--preset", "tiny", "--rounds", "2", "--steps", "1", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "extras-tiny.json").read_text())
+    names = [r["variant"] for r in report["rows"]]
+    assert names == ["plain"] + [f"{e}, {k}/32" for e in XB.EXTRAS for k in (1, 32)]
+    assert report["rows"][0]["vs_plain"] == 1 and (tmp_path / "extras-tiny.png").stat().st_size > 1000
+    assert "json_schema, 32/32" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="--rounds"):
+        main(["extras", "--preset", "tiny", "--rounds", "0"])

@@ -12,6 +12,7 @@ from minillm.bench import attention as attention_bench
 from minillm.bench import decode as decode_bench
 from minillm.bench import profile as profile_bench
 from minillm.bench import engine as eb
+from minillm.bench import extras as extras_bench
 from minillm.bench import gpu_check
 from minillm.bench import quant as quant_bench
 from minillm.bench import speculative as speculative_bench
@@ -72,6 +73,7 @@ def build_parser() -> ArgumentParser:
     attention_bench.add_arguments(sub.add_parser("attention", help="naive vs tiled vs fused attention; engine backends"))
     speculative_bench.add_arguments(sub.add_parser("speculative", help="speculative decoding: acceptance and speedup vs k"))
     quant_bench.add_arguments(sub.add_parser("quant", help="fp32, bf16, fp16, int8, int4: bytes, speed, quality"))
+    extras_bench.add_arguments(sub.add_parser("extras", help="what penalties, logprobs and a JSON Schema cost a batch of 32"))
     gpu_check.add_arguments(sub.add_parser("gpu-check", help="every CUDA path run and measured, in a bounded run"))
     t = sub.add_parser("training", help="a training step profiled; plain vs fused loss vs fused AdamW")
     t.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
@@ -249,6 +251,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.bench == "quant":
         quant_bench.run_from_args(args, out)
+        return 0
+    if args.bench == "extras":
+        if args.rounds < 1 or args.steps < 1:
+            raise UsageError("--rounds and --steps must be at least 1")
+        model, source = load_weights(args.preset, default_device())
+        print(f"\nsaved {extras_bench.run_from_args(args, out, model, source)}")
         return 0
     if args.bench == "decode":
         report = bench_decode(args)

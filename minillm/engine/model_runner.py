@@ -195,44 +195,41 @@ def _choose(seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | N
 
     ``greedy``, the rows' argmax when the step computed it already, answers a batch of greedy
     rows that change nothing. Rows whose requests adjust their logits (penalties, biases,
-    ``min_tokens``) are adjusted, and rows held to a schema masked, before the sampler sees
-    them; logprobs are read from the raw rows.
+    ``min_tokens``) are adjusted, and rows held to a schema masked, in place, before the
+    sampler sees them; logprobs are read from copies of the raw rows taken first.
     """
     params = [s.params for s in seqs]
-    chosen_from = _shaped_logits(seqs, logits)
-    if greedy is not None and chosen_from is logits and all(p.greedy for p in params):
+    asking = [i for i, p in enumerate(params) if p.logprobs is not None]
+    raw = logits[asking] if asking else None  # a copy: shaping below changes logits
+    shaped = _shape_logits_(seqs, logits)
+    if greedy is not None and not shaped and all(p.greedy for p in params):
         tokens = greedy
     else:
-        tokens = sample(chosen_from, params, [s.generator for s in seqs])
+        tokens = sample(logits, params, [s.generator for s in seqs])
     outputs = [ChunkOutput([token]) for token in tokens.tolist()]
-    asking = [i for i, p in enumerate(params) if p.logprobs is not None]
     if asking:
-        index = torch.tensor(asking, device=logits.device)
-        scored = token_logprobs(logits[index], tokens[index], [params[i].logprobs for i in asking])
+        scored = token_logprobs(raw, tokens[asking], [params[i].logprobs for i in asking])
         for i, lp in zip(asking, scored):
             outputs[i].logprobs = [lp]
     return outputs
 
 
-def _shaped_logits(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-    """``logits`` as the sampler must see them: the rows whose requests adjust them
-    (:mod:`minillm.penalties`) adjusted, and the rows held to a grammar masked
-    (:mod:`minillm.structured`), in that order. With no such row, ``logits`` itself: the
-    other requests pay nothing."""
+def _shape_logits_(seqs: list[Sequence], logits: torch.Tensor) -> bool:
+    """Make ``logits`` what the sampler must see, in place: the rows whose requests adjust
+    them (:mod:`minillm.penalties`) adjusted, then the rows held to a grammar masked
+    (:mod:`minillm.structured`). Returns whether any row changed; with none, nothing ran, so
+    the other requests pay nothing."""
     adjusting = [i for i, s in enumerate(seqs) if s.params.adjusts]
     constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
-    if not adjusting and not constrained:
-        return logits
-    shaped = logits.clone()
     if adjusting:
         picked = [seqs[i] for i in adjusting]
-        shaped[adjusting] = adjust_logits(
+        logits[adjusting] = adjust_logits(
             logits[adjusting], [s.params for s in picked], [s.token_ids[: s.prompt_len] for s in picked],
             [s.output_ids for s in picked], [s.eos_token_id for s in picked])
     if constrained:
         allowed = allowed_tokens([seqs[i].grammar for i in constrained], logits.shape[1], logits.device)
-        shaped[constrained] = mask_logits(shaped[constrained], allowed)
-    return shaped
+        logits[constrained] = mask_logits(logits[constrained], allowed)
+    return bool(adjusting or constrained)
 
 
 def _cumulative_ends(chunks: list[ScheduledChunk]) -> list[int]:
