@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.sampling import SamplingParams
-from minillm.structured import GrammarCompiler, allowed_tokens, mask_logits
+from minillm.structured import GrammarCompiler, mask_logits_, token_bias
 from minillm.tokenizer import get_tokenizer
 from models import tiny_model
 
@@ -112,7 +112,7 @@ def test_a_walk_through_the_mask_never_dead_ends(compiler: GrammarCompiler, name
     grammar = compiler.compile(SCHEMAS[name])
     ids = []
     for pick in choices:
-        allowed = allowed_tokens([grammar], tok.n_vocab)[0].nonzero().flatten().tolist()
+        allowed = (token_bias([grammar], tok.n_vocab)[0] == 0).nonzero().flatten().tolist()
         assert allowed
         ids.append(allowed[pick % len(allowed)])
         grammar.accept(ids[-1])
@@ -125,7 +125,7 @@ def test_the_mask_unpacks_bit_t_as_token_t(compiler: GrammarCompiler) -> None:
     """An integer's first token is a digit or a minus: the unpacked mask allows "7" and "-"
     and rules out "a" and "{" (a shifted or reversed bit order would not)."""
     tok = get_tokenizer()
-    allowed = allowed_tokens([compiler.compile({"type": "integer"})], tok.n_vocab)[0]
+    allowed = token_bias([compiler.compile({"type": "integer"})], tok.n_vocab)[0] == 0
     for text, ok in [("7", True), ("-", True), ("42", True), ("a", False), ("{", False), (" 7", False)]:
         (token,) = tok.encode(text)
         assert bool(allowed[token]) is ok, text
@@ -142,11 +142,13 @@ def test_a_wrong_token_is_refused(compiler: GrammarCompiler) -> None:
 def test_the_mask_wins_over_a_bias_that_kills_every_allowed_token() -> None:
     """Logits already -inf on every allowed token (a ban by min_tokens, say) must not leave
     the sampler nothing: the row chooses among the allowed tokens alone."""
-    logits = torch.tensor([[0.0, float("-inf"), 5.0, float("-inf")], [1.0, 2.0, 3.0, 4.0]])
-    allowed = torch.tensor([[False, True, False, True], [True, False, True, False]])
-    masked = mask_logits(logits, allowed)
-    assert masked[0].tolist() == [float("-inf"), 0.0, float("-inf"), 0.0]
-    assert masked[1].tolist() == [1.0, float("-inf"), 3.0, float("-inf")]
+    inf = float("-inf")
+    logits = torch.tensor([[0.0, inf, 5.0, inf], [9.0, 9.0, 9.0, 9.0], [1.0, 2.0, 3.0, 4.0]])
+    bias = torch.tensor([[inf, 0.0, inf, 0.0], [0.0, inf, 0.0, inf]])
+    mask_logits_(logits, [0, 2], bias)
+    assert logits[0].tolist() == [inf, 0.0, inf, 0.0]
+    assert logits[1].tolist() == [9.0] * 4  # a row not held to a grammar is left alone
+    assert logits[2].tolist() == [1.0, inf, 3.0, inf]
 
 
 def test_a_schema_held_request_decodes_token_by_token_and_bad_schemas_are_refused() -> None:

@@ -38,7 +38,7 @@ from minillm.logprobs import TokenLogprobs, token_logprobs
 from minillm.model import GPT
 from minillm.penalties import adjust_logits
 from minillm.sampling import sample
-from minillm.structured import allowed_tokens, mask_logits
+from minillm.structured import mask_logits_, token_bias
 from minillm.speculative import Draft, accept
 
 
@@ -227,8 +227,8 @@ def _shape_logits_(seqs: list[Sequence], logits: torch.Tensor) -> bool:
             logits[adjusting], [s.params for s in picked], [s.token_ids[: s.prompt_len] for s in picked],
             [s.output_ids for s in picked], [s.eos_token_id for s in picked])
     if constrained:
-        allowed = allowed_tokens([seqs[i].grammar for i in constrained], logits.shape[1], logits.device)
-        logits[constrained] = mask_logits(logits[constrained], allowed)
+        bias = token_bias([seqs[i].grammar for i in constrained], logits.shape[1], logits.device)
+        mask_logits_(logits, constrained, bias)
     return bool(adjusting or constrained)
 
 
