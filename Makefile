@@ -4,7 +4,7 @@
 #   make lab    - JupyterLab on notebooks/
 #   make book   - the HTML book, offline, into _build/html
 #   make loadtest - a load sweep against a running server (start one with make serve first)
-#   make router - the router on http://127.0.0.1:8080 over two local replicas of the server (chapter 15)
+#   make router - the router on http://127.0.0.1:8080 over two local replicas of the server (chapter 16)
 #   make bench  - the engine benchmark (every generation method, one workload) into benchmarks/results
 #   make gpu-check OUT=dir - every CUDA path run and measured in under 8 minutes (scripts/gpu_check.sh; on a CPU: DRY=1)
 #   make llamacpp - build llama.cpp's llama-bench, llama-batched-bench and llama-server into .cache/llama.cpp/bin

@@ -1,4 +1,4 @@
-"""The two drafters of speculative decoding (chapter 13): a small model, and a lookup.
+"""The two drafters of speculative decoding (chapter 14): a small model, and a lookup.
 
 Both answer one question, ``propose(tokens, k, params, generator) -> Draft``: given the
 sequence so far, what are probably its next ``k`` tokens?

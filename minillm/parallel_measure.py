@@ -1,4 +1,4 @@
-"""Checking and timing tensor parallelism on this machine: the functions chapter 15 calls.
+"""Checking and timing tensor parallelism on this machine: the functions chapter 16 calls.
 
 :func:`check_equivalence` splits a model over worker processes and compares it with itself
 unsplit: logits, then greedy tokens through both KV caches. :func:`measure_decode_step`

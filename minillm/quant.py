@@ -37,7 +37,7 @@ SCHEMES = ("int8", "int4")
 DEFAULT_GROUP_SIZE = 32
 INT8_MAX = 127
 INT4_MAX = 7  # symmetric: [-7, 7], stored as q + 8 in [1, 15]
-# When the fused CPU kernels pay (measured in chapter 12): with bf16 activations (their fp32 and
+# When the fused CPU kernels pay (measured in chapter 13): with bf16 activations (their fp32 and
 # fp16 paths are many times slower here) and few rows (decode). Their time grows in proportion
 # to the rows, while dequantizing costs the same for any number, so for many rows (a prefill)
 # an ordinary matmul on a dequantized copy wins. The crossover measured on a shared 2-core CPU

@@ -244,7 +244,7 @@ def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution ``sample`` draws from, as probabilities ``[n, vocab]`` in float32:
     softmax at the request's temperature, cut to its top-k and nucleus and renormalised.
 
-    Speculative decoding's acceptance rule (chapter 13) needs the whole distribution, not one
+    Speculative decoding's acceptance rule (chapter 14) needs the whole distribution, not one
     draw, and it must be the one ``sample`` uses, or speculation would change what a request's
     settings mean; so it lives here, beside the sampler, and shares its filter.
     """

@@ -1,5 +1,5 @@
 """The HTTP side of minillm: the OpenAI-compatible streaming server, its load generator and
-dashboard (chapters 9 and 10), and a router over replicas (chapter 15). It owns no model logic: everything it serves comes from the
+dashboard (chapters 9 and 11), and a router over replicas (chapter 16). It owns no model logic: everything it serves comes from the
 engine in :mod:`minillm`, and nothing in :mod:`minillm` imports it.
 
 The server, in data-flow order (``python -m server`` runs it):
@@ -11,17 +11,17 @@ The server, in data-flow order (``python -m server`` runs it):
 - ``app``: the aiohttp routes: auth, errors, streaming, disconnects, the access log.
 - ``__main__``: load the model, print how to call it, serve, shut down gracefully.
 
-Around it, chapter 10's tools:
+Around it, chapter 11's tools:
 
 - ``loadgen_stats``: latency percentiles, TPOT and goodput, with vLLM's definitions.
 - ``loadgen_client``: workloads, open-loop arrival schedules, one timed streaming request.
 - ``loadgen``: ``python -m server.loadgen``: runs, sweeps, reports, JSON and plots.
 - ``dashboard``: the live page at ``/`` and its event stream, one encoding per tick for every page.
 - ``traffic_panel``: the page's bounded load, one run at a time, for the page's own origin only.
-- ``launch``: start ``python -m server`` as a child process (chapters 9, 10 and 15, the tests).
+- ``launch``: start ``python -m server`` as a child process (chapters 9, 11 and 16, the tests).
 - ``signals``: the first SIGINT or SIGTERM stops gracefully, a second at once (server and router).
 
-Chapter 15's router, a proxy with the same API in front of several servers
+Chapter 16's router, a proxy with the same API in front of several servers
 (``python -m server.router``):
 
 - ``router_config``: its flags, or ``MINILLM_ROUTER_*`` environment variables.

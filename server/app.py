@@ -88,7 +88,7 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     add_dashboard(app, async_engine, state.metrics, card.max_model_len, locked=config.api_key is not None,
-                  client_timeout=config.client_timeout)  # chapter 10
+                  client_timeout=config.client_timeout)  # chapter 11
     app.on_startup.append(_start_engine)
     app.on_shutdown.append(_stop_accepting)
     app.on_cleanup.append(_stop_engine)

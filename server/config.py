@@ -159,9 +159,9 @@ FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     ("--tensor-parallel-size", int, "split the model over N processes (N must divide its attention heads; "
                                     "one GPU each on CUDA)"),
     ("--attention", str.lower, "torch | torch-loop (chapter 8's one-sequence-at-a-time decode) | triton "
-                               "(chapter 14's kernels: a CUDA GPU and `pip install -e .[triton]`; on a CPU "
+                               "(chapter 15's kernels: a CUDA GPU and `pip install -e .[triton]`; on a CPU "
                                "Triton's interpreter, exact but very slow)"),
-    ("--speculative-draft", str, "speculative decoding (chapter 13): a draft model's checkpoint, or `ngram` for "
+    ("--speculative-draft", str, "speculative decoding (chapter 14): a draft model's checkpoint, or `ngram` for "
                                  "prompt lookup; it runs on steps that decode a single request, while batched "
                                  "steps decode one token per request as usual"),
     ("--num-speculative-tokens", int, "draft tokens per speculative step (with --speculative-draft)"),
@@ -169,7 +169,7 @@ FLAGS: list[tuple[str, Callable[[str], object], str]] = [
                               "steps as captured programs: CUDA graphs, or on a CPU torch.compile (about half a "
                               "minute per batch bucket the first time, cached in .cache/inductor). Default: CUDA "
                               "graphs on a GPU, eager on a CPU"),
-    ("--quantize", _scheme, "int8 | int4: weight-only quantization of the model's matrices (chapter 12); "
+    ("--quantize", _scheme, "int8 | int4: weight-only quantization of the model's matrices (chapter 13); "
                             "activations are then bf16 unless --dtype says otherwise"),
 ]
 

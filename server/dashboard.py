@@ -1,4 +1,4 @@
-"""The live dashboard (chapter 10): ``GET /`` shows the server's vital signs as they move.
+"""The live dashboard (chapter 11): ``GET /`` shows the server's vital signs as they move.
 
 One sampler task per server reads the engine's latest stats and the Prometheus histograms
 every ``TICK_S`` and turns them into one small JSON snapshot; every open page receives each

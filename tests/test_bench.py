@@ -111,7 +111,7 @@ def test_the_training_benchmark_reports_each_part_and_each_version(tmp_path, cap
 
 
 def test_the_decode_profile_times_every_phase_it_names() -> None:
-    """Chapter 11's profile wraps the engine's phases by name: a renamed one must fail here."""
+    """Chapter 12's profile wraps the engine's phases by name: a renamed one must fail here."""
     from minillm.bench.profile import profile_decode
     from minillm.config import get_preset
     from minillm.model import GPT

@@ -27,7 +27,7 @@ def inductor_without_autotuning(monkeypatch) -> None:
     """Compile with frozen weights but without max-autotune. These tests check the step's
     logic (buckets, padding, pad block, preemption); which matrix kernel autotuning picks
     changes none of it, and timing every candidate costs minutes on a cold CI cache. The real
-    configuration's tokens are checked against eager in chapter 11, which asserts them."""
+    configuration's tokens are checked against eager in chapter 12, which asserts them."""
     monkeypatch.setattr(decode_graphs, "CPU_INDUCTOR_CONFIG", {**decode_graphs.CPU_INDUCTOR_CONFIG, "max_autotune": False})
 
 

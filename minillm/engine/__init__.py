@@ -7,7 +7,7 @@
   and lookahead slots for speculative decoding.
 - ``model_runner``: turns a scheduled batch into tensors and runs one forward pass.
 - ``llm_engine``: ``add_request``, ``step`` and ``abort``.
-- ``speculator``: speculative decoding (chapter 13) for steps that decode a single request.
+- ``speculator``: speculative decoding (chapter 14) for steps that decode a single request.
 - ``build``: ``build_engine``, from weights to an engine (load, cast, quantize, split, draft);
   ``llm``: ``LLM.generate`` for offline batches, on top of it.
 

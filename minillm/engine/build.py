@@ -2,8 +2,8 @@
 ``python -m server`` share.
 
 Each later chapter plugs in here rather than into the engine: load the weights (a ``GPT`` or
-a checkpoint path) onto the device; cast them, or quantize them (chapter 12); split them over
-processes (chapter 15); choose a drafter (chapter 13); then build the :class:`LLMEngine`. A
+a checkpoint path) onto the device; cast them, or quantize them (chapter 13); split them over
+processes (chapter 16); choose a drafter (chapter 14); then build the :class:`LLMEngine`. A
 failure that one option caused raises :class:`EngineOptionError` naming that option, so the
 server can name its flag.
 """

@@ -43,7 +43,7 @@ from minillm.settings import cache_dir
 # kernels; max-autotune with the "CPP" GEMM backend then times, for every matrix shape of the
 # bucket, a matrix kernel Inductor generates for that shape against the library's, and keeps
 # the faster. On a 2-core AVX2 machine the generated kernel reads the weights of a batch-1 to
-# batch-8 step about 1.3x faster than oneDNN's packed one (chapter 11). The cost: a few
+# batch-8 step about 1.3x faster than oneDNN's packed one (chapter 12). The cost: a few
 # seconds of timing per shape at the first start, and each bucket holds the weights in its
 # kernels' layout. The timings are not printed (the last two keys).
 CPU_INDUCTOR_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",

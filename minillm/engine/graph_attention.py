@@ -13,7 +13,7 @@ a traced graph could not: on a CPU it reads only as many blocks as the longest r
 (``trim``), a width that changes every few steps and would otherwise recompile the graph
 or force it to read the whole context every step. A CUDA graph cannot ask the device how
 long the longest row is without stopping the stream, so there it reads the full width
-(``trim=False``) or, with ``backend="triton"``, lets chapter 14's kernel stop at each row's
+(``trim=False``) or, with ``backend="triton"``, lets chapter 15's kernel stop at each row's
 own length.
 """
 

@@ -26,7 +26,7 @@ from minillm.model import fused_attention
 
 # How the engine attends: "torch" gathers length-sorted groups of decodes and makes one fused
 # attention call per group; "torch-loop" attends one sequence at a time (chapter 8's foil);
-# "triton" runs chapter 14's kernels, which read the blocks in place.
+# "triton" runs chapter 15's kernels, which read the blocks in place.
 ATTENTION_BACKENDS = ("torch", "torch-loop", "triton")
 
 
@@ -119,7 +119,7 @@ class PagedAttention:
     are done one by one with causal attention over their own prefix.
 
     ``backend`` names how decodes are attended (:meth:`decode`): ``"torch"`` by the gather just
-    described, ``"torch-loop"`` one sequence at a time, ``"triton"`` (chapter 14) by a kernel
+    described, ``"torch-loop"`` one sequence at a time, ``"triton"`` (chapter 15) by a kernel
     that reads the blocks in place through the block tables, with no gather; with ``"triton"``
     prefills use the FlashAttention kernel too.
     """

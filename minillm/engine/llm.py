@@ -47,14 +47,14 @@ class LLM:
 
     ``speculative_draft`` (a ``GPT``, a checkpoint path, or ``"ngram"`` for prompt lookup)
     turns on speculative decoding with ``num_speculative_tokens`` drafts per step; it applies
-    to steps that decode a single prompt, and batched steps run as usual (chapter 13).
+    to steps that decode a single prompt, and batched steps run as usual (chapter 14).
 
     ``memory_budget="6GiB"`` is the whole process's memory: the engine measures the weights,
     the runtime and its largest step, and sizes the KV cache from what is left
     (:mod:`minillm.engine.memory`).
 
     ``quantize="int8"`` or ``"int4"`` stores the model's matrices in that many bits
-    (``minillm.quant``); its activations are then bf16 unless ``dtype`` says otherwise (chapter 12)."""
+    (``minillm.quant``); its activations are then bf16 unless ``dtype`` says otherwise (chapter 13)."""
 
     def __init__(
         self,

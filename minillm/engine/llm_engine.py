@@ -64,7 +64,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
-    attention: str = "torch"  # "triton": chapter 14's kernels (CUDA, or the interpreter on a CPU)
+    attention: str = "torch"  # "triton": chapter 15's kernels (CUDA, or the interpreter on a CPU)
     # Decode-only steps as captured programs (minillm.engine.decode_graphs): True keeps every
     # step eager (the reference); False captures them wherever the model allows (not a
     # tensor-parallel or quantized one); None captures where it is cheap: a CUDA graph records

@@ -7,7 +7,7 @@ once, and samples a token for every chunk that reaches the end of its sequence. 
 a ``d_model x 50,257`` matmul per token, runs only on those rows: a 200-token prompt pays for
 it once, not 200 times.
 
-A decode the scheduler gave lookahead slots is speculative decoding's step (chapter 13): the
+A decode the scheduler gave lookahead slots is speculative decoding's step (chapter 14): the
 runner drafts into those slots and verifies the draft in the same single forward pass, so it
 returns a list of tokens per chunk: none for a partial prefill, one for most chunks, the
 accepted drafts plus one more for a speculative decode.
@@ -127,7 +127,7 @@ class ModelRunner:
         return draft.tokens[:accepted] + [token]
 
     def verify(self, chunk: ScheduledChunk, draft: Draft) -> tuple[int, int]:
-        """Speculative decoding's check (chapter 13): run the target once over the sequence's
+        """Speculative decoding's check (chapter 14): run the target once over the sequence's
         last token and the ``draft`` tokens, writing their keys and values into its blocks
         (which hold ``num_tokens + len(draft)`` slots), and return ``(n_accepted,
         next_token)`` by the acceptance rule. Slots past the accepted tokens hold stale keys

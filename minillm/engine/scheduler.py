@@ -185,7 +185,7 @@ class Scheduler:
         """Room for draft tokens, when this step's whole batch is one decode.
 
         Speculation pays only there: a batched step already spends the slack of a memory-bound
-        decode that drafts would spend (chapter 13). The draft is cut to what the request can
+        decode that drafts would spend (chapter 14). The draft is cut to what the request can
         still use (each round emits the accepted drafts plus one token, within ``max_tokens``
         and the context), and it is only ever given free blocks: no one is preempted for it.
         """

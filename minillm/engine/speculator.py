@@ -6,7 +6,7 @@ prompt done, nobody else admitted this step. That is the server's batch-1 case a
 ordinary continuous-batching step, one token per request, and the drafter is not run:
 batching already turns the memory-bound decode step into a compute-heavier one, which is
 exactly the slack speculation would spend, so the two compete for the same resource
-(chapter 13 measures the batch-1 case and explains this; chapter 1 has the roofline).
+(chapter 14 measures the batch-1 case and explains this; chapter 1 has the roofline).
 
 It runs through the engine's one step path. The scheduler reserves the draft's slots in the
 sequence's blocks (:meth:`~minillm.engine.scheduler.Scheduler.reserve_lookahead`); the model
