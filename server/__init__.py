@@ -5,7 +5,8 @@ engine in :mod:`minillm`, and nothing in :mod:`minillm` imports it.
 The server, in data-flow order (``python -m server`` runs it):
 
 - ``config``: the settings, from flags or ``MINILLM_*`` environment variables.
-- ``protocol``: OpenAI's request and response JSON: checking, tokenizing, the chat template.
+- ``protocol``: OpenAI's request JSON: checking, tokenizing, the chat template.
+- ``responses``: OpenAI's response bodies and stream chunks, usage, the model list.
 - ``engine_loop``: the engine on its own thread; an inbox in, per-request asyncio queues out.
 - ``metrics``: Prometheus metrics with vLLM's names.
 - ``app``: the aiohttp routes: auth, errors, streaming, disconnects, the access log.

@@ -39,7 +39,8 @@ from server.dashboard import add_dashboard
 from server.engine_loop import AsyncEngine, EngineFailure, Event, QueueFull, Rejected, RequestStream, ShuttingDown
 from server.logprobs_format import chat_logprobs, completion_logprobs, end_offset, unscored
 from server.metrics import CONTENT_TYPE, Metrics
-from server.protocol import GenerationRequest, ModelCard, Responses, models_list, parse_chat, parse_completion, usage
+from server.protocol import GenerationRequest, ModelCard, parse_chat, parse_completion
+from server.responses import Responses, models_list, usage
 from server.tokens_api import add_token_routes
 from server.wire import OpenAIError, invalid, read_json, sse, write_within
 

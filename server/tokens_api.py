@@ -21,7 +21,8 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from minillm.tokenizer import Tokenizer
-from server.protocol import ModelCard, chat_prompt, models_list
+from server.protocol import ModelCard, chat_prompt
+from server.responses import models_list
 from server.wire import OpenAIError, invalid, read_json
 
 

@@ -28,7 +28,7 @@ from minillm.tokenizer import get_tokenizer
 from server.app import STATE, State, create_app
 from server.config import ServerConfig
 from server.engine_loop import AsyncEngine
-from server.protocol import Responses
+from server.responses import Responses
 
 CONTEXT = 128
 

@@ -14,7 +14,8 @@ from minillm.model import GPT
 from minillm.tokenizer import Tokenizer, get_tokenizer
 from server.config import ServerConfig, build_parser, env_name, parse_args
 from server.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, MAX_CHOICES, MAX_STOP_CHARS, MAX_STOPS, MAX_TEMPERATURE,
-                             GenerationRequest, ModelCard, Responses, chat_prompt, parse_chat, parse_completion)
+                             GenerationRequest, ModelCard, chat_prompt, parse_chat, parse_completion)
+from server.responses import Responses
 from server.wire import OpenAIError, sse
 from test_server import CONTEXT, model, run, serving  # noqa: F401 (model is a fixture)
 
