@@ -42,9 +42,10 @@ _LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator"
 
 
 def _llguidance() -> Any:
-    """The library, imported on first use: a server that is never asked for JSON never loads it."""
+    """The library, imported on first use: a server that is never asked for JSON never loads
+    it. (Not its ``llguidance.torch`` helpers: importing them compiles a kernel with
+    ``torch.compile``, 5 s here, for a job :func:`token_bias` does in a table lookup.)"""
     import llguidance
-    import llguidance.torch
 
     return llguidance
 
@@ -107,8 +108,13 @@ class TokenGrammar:
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed tokens into ``bitmask[row]`` (int32 words, bit ``t % 32`` of word
-        ``t // 32`` for token ``t``)."""
-        _llguidance().torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+        ``t // 32`` for token ``t``). The matcher writes through a raw pointer, so the row is
+        checked to be the memory it expects: CPU, int32, contiguous, wide enough."""
+        words = bitmask[row]
+        if not (words.device.type == "cpu" and words.dtype == torch.int32 and words.is_contiguous()
+                and words.numel() * _BITS >= self.vocab_size):
+            raise ValueError(f"a bitmask row must be contiguous CPU int32 of >= {self.vocab_size} bits")
+        self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
 
     def accept(self, token: int) -> None:
         """Advance past ``token``, which the last mask allowed; anything else is a bug upstream
