@@ -10,7 +10,7 @@ from models import tiny_model
 from minillm.engine import LLM, SamplingParams
 from minillm.engine import model_runner
 from minillm.model import GPT
-from minillm.penalties import adjust_logits
+from minillm.penalties import adjust_logits_
 
 EOS = 7
 
@@ -50,19 +50,23 @@ def test_each_adjustment_matches_the_reference_row_by_row():
     logits = torch.randn(len(CASES), 12, generator=g) * 3
     prompts = [torch.randint(12, (5,), generator=g).tolist() for _ in CASES]
     outputs = [torch.randint(12, (3,), generator=g).tolist() + [1, 1] for _ in CASES]
-    got = adjust_logits(logits, CASES, prompts, outputs, [EOS] * len(CASES))
-    for row, (p, prompt, output) in enumerate(zip(CASES, prompts, outputs)):
-        want = reference(logits[row].tolist(), p, prompt, output, EOS)
-        assert got[row].tolist() == pytest.approx(want, abs=1e-5), p
-    assert torch.equal(got[-1], logits[-1])  # a row that adjusts nothing comes back as it was
-    assert not torch.equal(got[0], logits[0])  # and the input is left alone
-    assert got[0].data_ptr() != logits[0].data_ptr()
+    # the requests' rows interleaved with rows of others, which must stay as they were
+    got = torch.randn(2 * len(CASES), 12, generator=g)
+    others = got[1::2].clone()
+    got[0::2] = logits
+    adjust_logits_(got, list(range(0, 2 * len(CASES), 2)), CASES, prompts, outputs, [EOS] * len(CASES))
+    for i, (p, prompt, output) in enumerate(zip(CASES, prompts, outputs)):
+        want = reference(logits[i].tolist(), p, prompt, output, EOS)
+        assert got[2 * i].tolist() == pytest.approx(want, abs=1e-5), p
+    assert torch.equal(got[2 * len(CASES) - 2], logits[-1])  # a row that adjusts nothing stays as it was
+    assert torch.equal(got[1::2], others)
 
 
 def test_penalties_never_touch_a_token_the_row_has_not_seen():
     logits = torch.full((1, 8), 2.0)
     p = SamplingParams(presence_penalty=1, frequency_penalty=1, repetition_penalty=2)
-    got = adjust_logits(logits, [p], [[1]], [[3, 3]], [None])[0].tolist()
+    adjust_logits_(logits, [0], [p], [[1]], [[3, 3]], [None])
+    got = logits[0].tolist()
     assert got == [2.0, 1.0, 2.0, 2.0 / 2 - 2 - 1, 2.0, 2.0, 2.0, 2.0]
 
 
@@ -120,9 +124,9 @@ def test_a_seeded_adjusted_request_ignores_its_neighbours(model: GPT):
 
 def test_a_batch_that_adjusts_nothing_never_adjusts(model: GPT, monkeypatch):
     def refuse(*args, **kwargs):
-        raise AssertionError("adjust_logits called for a batch without penalties")
+        raise AssertionError("adjust_logits_ called for a batch without penalties")
 
-    monkeypatch.setattr(model_runner, "adjust_logits", refuse)
+    monkeypatch.setattr(model_runner, "adjust_logits_", refuse)
     monkeypatch.setattr(model_runner, "token_logprobs", refuse)
     outs = LLM(model).generate([[1, 2, 3], [4, 5]], [SamplingParams(max_tokens=5, temperature=0),
                                                      SamplingParams(max_tokens=5, temperature=0.7, seed=1)], use_tqdm=False)

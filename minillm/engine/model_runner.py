@@ -36,7 +36,7 @@ from minillm.engine.sequence import Sequence
 from minillm.engine.speculator import Speculator
 from minillm.logprobs import TokenLogprobs, token_logprobs
 from minillm.model import GPT
-from minillm.penalties import adjust_logits
+from minillm.penalties import adjust_logits_
 from minillm.sampling import sample
 from minillm.structured import mask_logits_, token_bias
 from minillm.speculative import Draft, accept
@@ -223,9 +223,8 @@ def _shape_logits_(seqs: list[Sequence], logits: torch.Tensor) -> bool:
     constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
     if adjusting:
         picked = [seqs[i] for i in adjusting]
-        logits[adjusting] = adjust_logits(
-            logits[adjusting], [s.params for s in picked], [s.token_ids[: s.prompt_len] for s in picked],
-            [s.output_ids for s in picked], [s.eos_token_id for s in picked])
+        adjust_logits_(logits, adjusting, [s.params for s in picked], [s.token_ids[: s.prompt_len] for s in picked],
+                       [s.output_ids for s in picked], [s.eos_token_id for s in picked])
     if constrained:
         bias = token_bias([seqs[i].grammar for i in constrained], logits.shape[1], logits.device)
         mask_logits_(logits, constrained, bias)
