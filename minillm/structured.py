@@ -21,6 +21,7 @@ through a character automaton to the token mask, and checks it against this one.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -91,10 +92,9 @@ class GrammarCompiler:
         return self._indexed
 
     def compile(self, schema: dict[str, Any]) -> TokenGrammar:
-        """A fresh matcher for one request; ``ValueError`` if the schema cannot be used."""
-        problem = schema_error(schema)
-        if problem:
-            raise ValueError(f"json_schema is not usable: {problem}")
+        """A fresh matcher for one request. The schema was checked when its
+        ``SamplingParams`` were made (:func:`schema_error`); one that slipped past that raises
+        ``ValueError`` from llguidance here."""
         matcher = _llguidance().LLMatcher(self.vocabulary, _grammar(schema))
         return TokenGrammar(matcher, self.vocabulary.vocab_size)
 
@@ -144,11 +144,16 @@ def token_bias(grammars: list[TokenGrammar], vocab: int, device: torch.device | 
     bitmask = torch.zeros(len(grammars), words, dtype=torch.int32)
     for row, grammar in enumerate(grammars):
         grammar.fill_bitmask(bitmask, row)
-    as_bytes = bitmask.to(device).view(torch.uint8).flatten().long()  # little-endian (x86, Arm): token order
-    bias = _BYTE_BIAS.to(device).index_select(0, as_bytes).view(len(grammars), -1)[:, :vocab]
-    if torch.isneginf(bias.amax(dim=1)).any():
+    if not bitmask[:, : -(-vocab // _BITS)].any(dim=1).all():  # on the bits: 32x less to read than the biases
         raise RuntimeError("a grammar allows no token at all")
-    return bias
+    as_bytes = bitmask.to(device).view(torch.uint8).flatten().long()  # little-endian (x86, Arm): token order
+    return _byte_bias(torch.device(device)).index_select(0, as_bytes).view(len(grammars), -1)[:, :vocab]
+
+
+@functools.cache
+def _byte_bias(device: torch.device) -> torch.Tensor:
+    """:data:`_BYTE_BIAS` on ``device``, copied there once rather than every step."""
+    return _BYTE_BIAS.to(device)
 
 
 def mask_logits_(logits: torch.Tensor, rows: list[int], bias: torch.Tensor) -> None:

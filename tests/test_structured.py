@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine import LLM
 from minillm.sampling import SamplingParams
 from minillm.structured import GrammarCompiler, mask_logits_, token_bias
 from minillm.tokenizer import get_tokenizer
@@ -42,37 +42,28 @@ def compiler() -> GrammarCompiler:
     return GrammarCompiler(get_tokenizer())
 
 
-def run(engine: LLMEngine, requests: dict[str, SamplingParams], prompt: str = "Once upon a time") -> dict[str, tuple]:
-    """Every request to the end, together: ``{id: (text, token ids, finish reason)}``."""
-    for rid, params in requests.items():
-        engine.add_request(rid, prompt, params)
-    text: dict[str, list[str]] = {rid: [] for rid in requests}
-    ids: dict[str, list[int]] = {rid: [] for rid in requests}
-    done = {}
-    while engine.has_unfinished:
-        for out in engine.step():
-            text[out.request_id].append(out.new_text)
-            ids[out.request_id] += out.new_token_ids
-            if out.finished:
-                done[out.request_id] = out.finish_reason
-    return {rid: ("".join(text[rid]), ids[rid], done[rid]) for rid in requests}
+def run(requests: dict[str, SamplingParams], max_num_seqs: int = 32) -> dict[str, tuple]:
+    """Every request to the end, together, through ``LLM.generate``: ``{id: (text, token ids,
+    finish reason)}``."""
+    with LLM(tiny_model(context_length=256), max_num_seqs=max_num_seqs) as llm:
+        outs = llm.generate(["Once upon a time"] * len(requests), list(requests.values()), use_tqdm=False)
+    return {rid: (o.text, o.token_ids, o.finish_reason) for rid, o in zip(requests, outs)}
 
 
 def test_every_answer_parses_and_validates_batched_with_free_neighbours() -> None:
     """Greedy and sampled requests for each schema, in one batch beside unconstrained ones:
     every constrained answer is complete JSON that the schema accepts, finished by the
     grammar ("stop"), and the neighbours' greedy tokens are what they are alone."""
-    engine = LLMEngine(tiny_model(context_length=256), EngineConfig(max_num_seqs=32))
     requests = {f"{name}/{seed}": SamplingParams(max_tokens=120, temperature=0.0 if seed == 0 else 1.0, seed=seed,
                                                   json_schema=schema)
                 for name, schema in SCHEMAS.items() for seed in range(4)}
     free = {f"free/{i}": SamplingParams(max_tokens=12, temperature=0.0) for i in range(3)}
-    results = run(engine, {**requests, **free})
+    results = run({**requests, **free})
     for rid, params in requests.items():
         text, _, reason = results[rid]
         assert reason == "stop", (rid, text)
         jsonschema.validate(json.loads(text), params.json_schema)
-    alone = run(LLMEngine(tiny_model(context_length=256), EngineConfig(max_num_seqs=32)), free)
+    alone = run(free)
     assert {rid: results[rid][1] for rid in free} == {rid: alone[rid][1] for rid in free}
 
 
@@ -83,10 +74,9 @@ def test_json_object_ends_when_the_object_closes() -> None:
     token to wait for, even under ``ignore_eos``."""
     tok = get_tokenizer()
     bias = {tok.encode(s)[0]: 8.0 for s in ['"', '"}', '}', '":']}
-    engine = LLMEngine(tiny_model(context_length=256), EngineConfig(max_num_seqs=8))
     requests = {f"obj/{seed}": SamplingParams(max_tokens=100, temperature=1.0, seed=seed, logit_bias=bias,
                                               ignore_eos=True, json_schema={"type": "object"}) for seed in range(6)}
-    for rid, (text, ids, reason) in run(engine, requests).items():
+    for rid, (text, ids, reason) in run(requests, max_num_seqs=8).items():
         assert reason == "stop" and isinstance(json.loads(text), dict), (rid, text)
         assert text.endswith("}") and tok.decode(ids) == text
 
@@ -94,9 +84,8 @@ def test_json_object_ends_when_the_object_closes() -> None:
 def test_max_tokens_cuts_an_answer_short_with_finish_length() -> None:
     """Too few tokens for the value: the answer stops at max_tokens ("length"), a prefix of
     valid JSON that does not parse, as OpenAI and vLLM return it."""
-    engine = LLMEngine(tiny_model(context_length=256), EngineConfig(max_num_seqs=4))
-    text, ids, reason = run(engine, {"short": SamplingParams(max_tokens=3, temperature=0.0,
-                                                              json_schema=SCHEMAS["record"])})["short"]
+    text, ids, reason = run({"short": SamplingParams(max_tokens=3, temperature=0.0, json_schema=SCHEMAS["record"])},
+                            max_num_seqs=4)["short"]
     assert reason == "length" and len(ids) == 3 and text.startswith('{"')
     with pytest.raises(json.JSONDecodeError):
         json.loads(text)
