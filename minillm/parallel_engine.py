@@ -43,7 +43,7 @@ from minillm.parallel import (
 )
 
 READY_TIMEOUT_S = 120.0  # spawning a process and importing torch takes seconds on a busy CPU
-_WORKER_DEVICE = torch.device("cpu")  # where unpickled step tensors go, set once per worker
+_WORKER_DEVICE = torch.device("cpu")  # where unpickled step tensors go: set_worker_device, once per worker
 
 
 # ----------------------------------------------------------------------------- messages
@@ -51,6 +51,15 @@ _WORKER_DEVICE = torch.device("cpu")  # where unpickled step tensors go, set onc
 
 def _to_device(array) -> torch.Tensor:
     return torch.from_numpy(array).to(_WORKER_DEVICE)
+
+
+def set_worker_device(device: str) -> torch.device:
+    """Where this worker process's unpickled step tensors go, and its CUDA device."""
+    global _WORKER_DEVICE
+    _WORKER_DEVICE = torch.device(device)
+    if _WORKER_DEVICE.type == "cuda":
+        torch.cuda.set_device(_WORKER_DEVICE)
+    return _WORKER_DEVICE
 
 
 class _StepPickler(pickle.Pickler):
@@ -63,13 +72,13 @@ class _StepPickler(pickle.Pickler):
         return NotImplemented
 
 
-def _dumps(message: tuple) -> bytes:
+def dumps_step(message: tuple) -> bytes:
     buffer = io.BytesIO()
     _StepPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
     return buffer.getvalue()
 
 
-def _cache_layout(cache: KVCache | None, key: int) -> tuple:
+def cache_layout(cache: KVCache | None, key: int) -> tuple:
     """What a worker needs to build the same cache over its own keys and values."""
     if cache is None:
         return ("none",)
@@ -82,7 +91,7 @@ def _cache_layout(cache: KVCache | None, key: int) -> tuple:
     raise TypeError(f"tensor parallelism supports PagedAttention and ContiguousKVCache, not {type(cache).__name__}")
 
 
-class _WorkerCaches:
+class WorkerCaches:
     """A worker's mirror of rank 0's caches: one paged pool (made on first use, with the
     shape rank 0's pool has) and the contiguous cache of the latest ``generate`` call."""
 
@@ -116,17 +125,14 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, device: st
     position, say) was raised on rank 0 too, at the same point: it is skipped. Anything else
     ends the process, which closes its sockets, so rank 0's next all-reduce fails rather than
     waits."""
-    global _WORKER_DEVICE
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole process group: rank 0 decides
-    _WORKER_DEVICE = torch.device(device)
-    if _WORKER_DEVICE.type == "cuda":
-        torch.cuda.set_device(_WORKER_DEVICE)
+    worker_device = set_worker_device(device)
     torch.set_num_threads(threads)
     group, _store = make_group(backend, rank, world_size, port)
-    shard = ShardedGPT(cfg, rank, world_size, group).to(_WORKER_DEVICE, state["tok_emb.weight"].dtype)
+    shard = ShardedGPT(cfg, rank, world_size, group).to(worker_device, state["tok_emb.weight"].dtype)
     shard.load_state_dict(state)
     shard.set_attention(impl).eval()
-    caches = _WorkerCaches(shard)
+    caches = WorkerCaches(shard)
     conn.send("ready")
     with torch.inference_mode():
         while True:
@@ -175,7 +181,7 @@ class TensorParallelGPT:
         threads = threads or max(1, torch.get_num_threads() // world_size)
         self._store = rendezvous(world_size) if world_size > 1 else None
         self._conns, self._workers = [], []
-        self._finalizer = weakref.finalize(self, _stop_workers, self._conns, self._workers)
+        self._finalizer = weakref.finalize(self, stop_workers, self._conns, self._workers)
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         try:
             for rank in range(1, world_size):
@@ -241,7 +247,7 @@ class TensorParallelGPT:
     ) -> torch.Tensor:
         if cache is not None and cache is not self._last_cache:
             self._cache_key, self._last_cache = self._cache_key + 1, cache
-        self._send(("forward", (tokens, positions, _cache_layout(cache, self._cache_key))))
+        self._send(("forward", (tokens, positions, cache_layout(cache, self._cache_key))))
         return self.shard.hidden_states(tokens, positions, cache)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -257,7 +263,7 @@ class TensorParallelGPT:
     def _send(self, message: tuple) -> None:
         if not self._finalizer.alive:
             raise RuntimeError("this TensorParallelGPT is closed")
-        data = _dumps(message)
+        data = dumps_step(message)
         for conn, process in zip(self._conns, self._workers):
             try:
                 conn.send_bytes(data)
@@ -278,7 +284,7 @@ class TensorParallelGPT:
         self.close()
 
 
-def _stop_workers(conns: list, workers: list) -> None:
+def stop_workers(conns: list, workers: list) -> None:
     """Ask each worker to stop, then make sure: a worker that has not exited 10 s later (one
     stuck waiting for a peer, say) is terminated."""
     for conn in conns:

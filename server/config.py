@@ -63,6 +63,7 @@ class ServerConfig:
     client_timeout: float = CLIENT_TIMEOUT_S
     max_connections: int = MAX_CONNECTIONS
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     attention: str = "torch"
     speculative_draft: str | None = None
     num_speculative_tokens: int = 4
@@ -87,12 +88,13 @@ class ServerConfig:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
-        if self.speculative_draft and self.tensor_parallel_size > 1:
-            raise ValueError("speculative_draft does not combine with tensor_parallel_size > 1 (not supported)")
+        for size in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, size) > 1 and self.speculative_draft:
+                raise ValueError(f"speculative_draft does not combine with {size} > 1 (not supported)")
+            if getattr(self, size) > 1 and self.quantize is not None:
+                raise ValueError(f"quantize does not combine with {size} > 1 (not supported)")
         if self.quantize is not None:
             check_scheme(self.quantize)
-            if self.tensor_parallel_size > 1:
-                raise ValueError("quantize does not combine with tensor_parallel_size > 1 (not supported)")
         if self.memory_budget is not None and self.kv_cache_memory is not None:
             raise ValueError("--memory-budget and --kv-cache-memory both size the KV cache: give one (--memory-budget "
                              "is the whole server's memory, --kv-cache-memory the cache's alone)")
@@ -108,6 +110,7 @@ class ServerConfig:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
             attention=self.attention,
             enforce_eager=self.enforce_eager,
         )
@@ -158,6 +161,9 @@ FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     *CLIENT_FLAGS,
     ("--tensor-parallel-size", int, "split the model over N processes (N must divide its attention heads; "
                                     "one GPU each on CUDA)"),
+    ("--pipeline-parallel-size", int, "split the model's blocks into N stages, one process each (N from 1 to its "
+                                      "layers; one GPU each on CUDA); N batches are kept in flight so the stages "
+                                      "overlap"),
     ("--attention", str.lower, "torch | torch-loop (chapter 8's one-sequence-at-a-time decode) | triton "
                                "(chapter 15's kernels: a CUDA GPU and `pip install -e .[triton]`; on a CPU "
                                "Triton's interpreter, exact but very slow)"),

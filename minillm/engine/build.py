@@ -3,9 +3,9 @@
 
 Each later chapter plugs in here rather than into the engine: load the weights (a ``GPT`` or
 a checkpoint path) onto the device; cast them, or quantize them (chapter 13); split them over
-processes (chapter 16); choose a drafter (chapter 14); then build the :class:`LLMEngine`. A
-failure that one option caused raises :class:`EngineOptionError` naming that option, so the
-server can name its flag.
+processes, by heads or by layers (chapter 16); choose a drafter (chapter 14); then build the
+:class:`LLMEngine`. A failure that one option caused raises :class:`EngineOptionError` naming
+that option, so the server can name its flag.
 """
 
 from __future__ import annotations
@@ -49,13 +49,19 @@ def build_engine(
     path, loaded onto ``device``, the CPU by default). ``quantize="int8"`` or ``"int4"`` stores
     the matrices in that many bits, with bf16 activations unless ``dtype`` says otherwise.
     ``config.tensor_parallel_size > 1`` starts that many worker processes (``engine.close()``
-    stops them). ``speculative_draft``: a draft ``GPT``, its checkpoint, or ``"ngram"``.
+    stops them), as does ``config.pipeline_parallel_size > 1``, one per stage after the first. ``speculative_draft``: a draft ``GPT``, its checkpoint, or ``"ngram"``.
     A ``config.memory_budget`` too small for the model is an :class:`EngineOptionError`
     naming ``memory_budget``."""
     config = config or EngineConfig()
     model = load_weights(model, device)
-    if quantize is not None and config.tensor_parallel_size != 1:
-        raise EngineOptionError("quantize", "quantize does not combine with tensor_parallel_size > 1 (not supported)")
+    for size in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(config, size) == 1:
+            continue
+        if quantize is not None:
+            raise EngineOptionError("quantize", f"quantize does not combine with {size} > 1 (not supported)")
+        if speculative_draft is not None and size == "pipeline_parallel_size":
+            raise EngineOptionError("speculative_draft",
+                                    f"speculative_draft does not combine with {size} > 1 (not supported)")
     try:
         cast_and_quantize(model, resolve_dtype(dtype), quantize)
     except ValueError as err:
@@ -65,6 +71,15 @@ def build_engine(
         from minillm.parallel_engine import TensorParallelGPT  # spawns processes: only when asked
 
         model = TensorParallelGPT(model.eval(), config.tensor_parallel_size)  # type: ignore[assignment]
+    if config.pipeline_parallel_size > 1:  # stage 0 here, one worker process per later stage
+        from minillm.pipeline import check_pipeline_parallel_size
+        from minillm.pipeline_engine import PipelineParallelGPT
+
+        try:
+            check_pipeline_parallel_size(model.cfg, config.pipeline_parallel_size)
+        except ValueError as err:
+            raise EngineOptionError("pipeline_parallel_size", str(err)) from None
+        model = PipelineParallelGPT(model.eval(), config.pipeline_parallel_size)  # type: ignore[assignment]
     try:
         return LLMEngine(model, config, tokenizer, speculator)
     except BaseException as err:

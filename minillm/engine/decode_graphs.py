@@ -60,11 +60,11 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 
 def capture_unsupported(model: GPT) -> str | None:
-    """Why ``model``'s decode step cannot be captured, or None if it can: a tensor-parallel
-    model runs in several processes, and a quantized one through kernels this path has not
-    been checked with."""
-    if getattr(model, "world_size", 1) != 1:
-        return "a tensor-parallel model runs its steps eagerly"
+    """Why ``model``'s decode step cannot be captured, or None if it can: a tensor- or
+    pipeline-parallel model runs in several processes, and a quantized one through kernels
+    this path has not been checked with."""
+    if not isinstance(model, GPT):
+        return "a model split over processes runs its steps eagerly"
     if any(not t.is_floating_point() for t in model.buffers()):  # packed integer weights
         return "a quantized model runs its steps eagerly"
     return None

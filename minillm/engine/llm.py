@@ -42,8 +42,8 @@ class CompletionOutput:
 class LLM:
     """A model and an engine around it. ``model`` is a ``GPT`` (moved to ``device``/``dtype``
     in place) or a checkpoint path; the other keywords are :class:`EngineConfig` fields.
-    With ``tensor_parallel_size=N`` the engine starts N - 1 worker processes: ``close()`` the
-    ``LLM`` (or use it in a ``with``) to stop them.
+    With ``tensor_parallel_size=N`` or ``pipeline_parallel_size=N`` the engine starts N - 1
+    worker processes: ``close()`` the ``LLM`` (or use it in a ``with``) to stop them.
 
     ``speculative_draft`` (a ``GPT``, a checkpoint path, or ``"ngram"`` for prompt lookup)
     turns on speculative decoding with ``num_speculative_tokens`` drafts per step; it applies

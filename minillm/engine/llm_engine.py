@@ -13,6 +13,7 @@ of prompts.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ from minillm.engine.block_allocator import BlockAllocator
 from minillm.engine.decode_graphs import DecodeGraphs, capture_mode, capture_unsupported
 from minillm.engine.kv_cache import ATTENTION_BACKENDS, PagedKVPool, blocks_for_memory
 from minillm.engine.memory import MemorySplit, measure
-from minillm.engine.model_runner import ChunkOutput, ModelRunner
+from minillm.engine.model_runner import ChunkOutput, LaunchedStep, ModelRunner
 from minillm.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from minillm.engine.sequence import FinishReason, RequestTimes, Sequence
 from minillm.engine.speculator import Speculator
@@ -52,7 +53,10 @@ class EngineConfig:
     ``num_blocks`` overrides the byte budgets (tests use tiny pools to force preemption).
     ``tensor_parallel_size`` splits the model over that many processes (``minillm.parallel``;
     :func:`minillm.engine.build.build_engine` starts them); both budgets are then per rank,
-    each holding its heads.
+    each holding its heads. ``pipeline_parallel_size`` splits its blocks into that many stages,
+    one process each (:mod:`minillm.pipeline`); ``kv_cache_memory`` is then per stage, and
+    ``pipeline_micro_batches`` (by default as many as stages) is how many batches the engine
+    keeps in flight so the stages work at once.
     """
 
     block_size: int = 16
@@ -64,6 +68,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pipeline_micro_batches: int | None = None
     attention: str = "torch"  # "triton": chapter 15's kernels (CUDA, or the interpreter on a CPU)
     # Decode-only steps as captured programs (minillm.engine.decode_graphs): True keeps every
     # step eager (the reference); False captures them wherever the model allows (not a
@@ -87,6 +93,7 @@ class EngineConfig:
             raise ValueError("attention='triton' runs on one device; use it with tensor_parallel_size=1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        self._check_pipeline()
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -104,6 +111,34 @@ class EngineConfig:
             if self.pack_weights:
                 raise ValueError("pack_weights=True does not combine with memory_budget: oneDNN's per-shape "
                                  "primitives grow past what a warm-up measures (see EngineConfig.pack_weights)")
+
+    def _check_pipeline(self) -> None:
+        """What pipeline parallelism refuses: a bad size, and the options it does not combine with."""
+        size = self.pipeline_parallel_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"pipeline_parallel_size (--pipeline-parallel-size) must be an integer >= 1, got {size!r}")
+        if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
+            raise ValueError(f"pipeline_micro_batches must be >= 1, got {self.pipeline_micro_batches}")
+        if size == 1:
+            return
+        clashes = {
+            "tensor_parallel_size > 1": self.tensor_parallel_size > 1,
+            "attention='triton'": self.attention == "triton",
+            "memory_budget": self.memory_budget is not None,
+            "enforce_eager=False": self.enforce_eager is False,
+            "pack_weights=True": self.pack_weights is True,
+        }
+        for option, clash in clashes.items():
+            if clash:
+                raise ValueError(f"pipeline_parallel_size (--pipeline-parallel-size) > 1 does not combine with {option} "
+                                 "(not supported: its stages run eagerly, one process and one device each)")
+
+    @property
+    def micro_batches(self) -> int:
+        """Batches the engine keeps in flight: 1 unless the model is split into stages."""
+        if self.pipeline_parallel_size == 1:
+            return 1
+        return self.pipeline_micro_batches or self.pipeline_parallel_size
 
     def pool_blocks(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
         if self.num_blocks is not None:
@@ -180,6 +215,11 @@ class LLMEngine:
                 f"tensor_parallel_size={config.tensor_parallel_size} needs the model split over that many "
                 "processes: build the engine with minillm.engine.build_engine (or LLM), which starts them"
             )
+        if getattr(model, "num_stages", 1) != config.pipeline_parallel_size:
+            raise ValueError(
+                f"pipeline_parallel_size={config.pipeline_parallel_size} needs the model split into that many stages: "
+                "build the engine with minillm.engine.build_engine (or LLM), which starts them"
+            )
         plain = model.eval()
         self.model = model = _engine_model(plain, config)
         self.config = config
@@ -195,7 +235,9 @@ class LLMEngine:
             self.memory = measure(model, plain, config.memory_budget, block_size=config.block_size,
                                   max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                                   attention=config.attention, capture=capture)
-        num_blocks = self.memory.blocks if self.memory else config.pool_blocks(model.cfg, model.dtype, model.device)
+        # every stage's pool has as many blocks (the block tables are shared): the largest sizes them
+        sizing_cfg = getattr(model, "largest_stage_cfg", model.cfg)
+        num_blocks = self.memory.blocks if self.memory else config.pool_blocks(sizing_cfg, model.dtype, model.device)
         self.pool = PagedKVPool(model.cfg, num_blocks, config.block_size, model.device, model.dtype)
         self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -209,6 +251,7 @@ class LLMEngine:
         self.graphs = None if capture is None else DecodeGraphs(plain, self.pool, config.max_num_seqs, config.attention)
         self.runner = ModelRunner(model, self.pool, config.attention, speculator, self.graphs)
         self._steps = self._prefill_tokens = self._generated = 0
+        self._in_flight: deque[LaunchedStep] = deque()  # pipelined micro-batches, oldest first
         self.last_step: SchedulerOutput | None = None  # what the latest step ran, for timelines and dashboards
 
     @property
@@ -248,16 +291,46 @@ class LLMEngine:
         return seq
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns an output for every request that advanced."""
+        """Run one scheduler step; returns an output for every request that advanced. With a
+        pipelined model, one micro-batch's step (see :meth:`pipelined_step`)."""
+        if self.config.micro_batches > 1:
+            return self.pipelined_step()
         output = self.scheduler.schedule(time.monotonic())
         self.last_step = output
         if output.is_empty:
             return []
         produced = self.runner.execute(output)  # if this raises, no sequence has changed
+        return self._finish_step(output, produced)
+
+    def pipelined_step(self) -> list[RequestOutput]:
+        """Keep ``micro_batches`` batches in flight through the pipeline's stages, then finish
+        the oldest. Each new micro-batch is scheduled from the sequences not already in
+        flight, with an even share of the unfinished requests, so the micro-batches come out
+        of similar size; while stage 1 works on one, rank 0 computes stage 0 of the next.
+        Sequences in flight are never preempted (their keys are still being written): the
+        scheduler takes its victims from the others, or waits."""
+        depth = self.config.micro_batches
+        while len(self._in_flight) < depth:
+            busy = {id(c.seq) for launched in self._in_flight for c in launched.output.chunks}
+            share = -(-(self.scheduler.num_running + self.scheduler.num_waiting) // depth)
+            output = self.scheduler.schedule(time.monotonic(), busy=busy, max_seqs=max(1, share))
+            if output.is_empty:
+                break
+            self.last_step = output
+            self._in_flight.append(self.runner.launch(output))
+        if not self._in_flight:
+            return []
+        launched = self._in_flight.popleft()
+        return self._finish_step(launched.output, self.runner.collect(launched))
+
+    def _finish_step(self, output: SchedulerOutput, produced: list[ChunkOutput]) -> list[RequestOutput]:
+        """Append what a step produced to its sequences, then let the scheduler account for it."""
         now = time.monotonic()
         results: list[RequestOutput] = []
         try:
             for chunk, made in zip(output.chunks, produced):
+                if chunk.seq.finish_reason is FinishReason.ABORT:  # aborted while its micro-batch ran
+                    continue
                 self._prefill_tokens += 0 if chunk.is_decode else chunk.num_tokens
                 if made.prompt_logprobs:
                     chunk.seq.record_prompt_logprobs(chunk.start, made.prompt_logprobs)
@@ -323,7 +396,8 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        """Requests waiting or running, or a micro-batch still in flight (even an aborted one's)."""
+        return self.scheduler.has_unfinished or bool(self._in_flight)
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -52,6 +52,16 @@ SCORE_CHUNK_ROWS = 256
 
 
 @dataclass
+class LaunchedStep:
+    """A step whose forward has started: its chunks, decodes first (the order the forward's
+    rows are in), and the hidden states, or for a pipelined model the pending forward."""
+
+    output: SchedulerOutput
+    ordered: list[ScheduledChunk]
+    hidden: object  # a tensor, or something whose wait() returns one
+
+
+@dataclass
 class ChunkOutput:
     """What one scheduled chunk produced: its new ``tokens``; their ``logprobs``, one per token,
     when its request asks; and ``prompt_logprobs`` for the prompt tokens this chunk scored
@@ -85,13 +95,31 @@ class ModelRunner:
             logits, greedy = self.graphs.run(decodes)
             drawn = dict(zip(map(id, decodes), _choose([c.seq for c in decodes], logits, greedy)))
             return [drawn[id(c)] for c in output.chunks]
+        return self.collect(self.launch(output))
+
+    @torch.inference_mode()
+    def launch(self, output: SchedulerOutput) -> LaunchedStep:
+        """The eager path's first half: lay the step out and start the forward. A pipelined
+        model (:class:`~minillm.pipeline_engine.PipelineParallelGPT`) returns before its later
+        stages finish, so the engine can launch the next micro-batch; any other model runs
+        the whole forward here. :meth:`collect` finishes the step."""
+        decodes = sorted((c for c in output.chunks if c.num_tokens == 1), key=lambda c: c.start)
+        prefills = [c for c in output.chunks if c.num_tokens > 1]
         ordered = decodes + prefills
         tokens, positions, slots = self.flatten(ordered)
         attention = PagedAttention(
             self.pool, slots, self.decode_groups(decodes), self._prefill_chunks(prefills, offset=len(decodes)),
             backend=self.attention,
         )
-        hidden = self.model.hidden_states(tokens[None], positions[None], attention)[0]
+        start = getattr(self.model, "launch", self.model.hidden_states)
+        return LaunchedStep(output, ordered, start(tokens[None], positions[None], attention))
+
+    @torch.inference_mode()
+    def collect(self, step: LaunchedStep) -> list[ChunkOutput]:
+        """The eager path's second half: the forward's hidden states (waited for, if the model
+        is pipelined) to the logits of the rows that sample, and those to tokens."""
+        output, ordered = step.output, step.ordered
+        hidden = (step.hidden if isinstance(step.hidden, torch.Tensor) else step.hidden.wait())[0]
         ends = torch.tensor(_cumulative_ends(ordered), device=self.device)
         wanted = [i for i, c in enumerate(ordered) if c.samples]
         results = {id(c): ChunkOutput() for c in output.chunks}

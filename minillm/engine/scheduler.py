@@ -132,6 +132,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._busy: set[int] | frozenset[int] = frozenset()  # this schedule's sequences in flight
+        self._max_seqs = max_num_seqs  # this schedule's most chunks
         self._requests: dict[str, Sequence] = {}  # unfinished requests by id, for abort
 
     # ------------------------------------------------------------------ arrival
@@ -170,10 +172,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
 
-    def schedule(self, now: float) -> SchedulerOutput:
+    def schedule(self, now: float, busy: set[int] | frozenset[int] = frozenset(),
+                 max_seqs: int | None = None) -> SchedulerOutput:
         """Choose this step's chunks: running sequences first, then admissions (see the module
-        docstring). Blocks for every chunk are allocated before it is returned."""
+        docstring). Blocks for every chunk are allocated before it is returned.
+
+        A pipelined engine (several micro-batches in flight) passes ``busy``, the ``id`` of
+        each sequence in flight, which is neither scheduled nor preempted, and ``max_seqs``,
+        this micro-batch's share of the sequences."""
         out = SchedulerOutput()
+        self._busy, self._max_seqs = busy, max_seqs or self.max_num_seqs
         self.schedule_running(out)
         if not out.preempted:
             self.admit_waiting(out, now)
@@ -209,8 +217,11 @@ class Scheduler:
         Preemption takes sequences from the end of ``running``, which this loop has not
         reached yet, so no scheduled chunk ever loses its blocks."""
         i = 0
-        while i < len(self.running) and self._budget_left(out) > 0:
+        while i < len(self.running) and self._budget_left(out) > 0 and len(out.chunks) < self._max_seqs:
             seq = self.running[i]
+            if id(seq) in self._busy:
+                i += 1
+                continue
             end = min(seq.num_tokens, seq.num_computed_tokens + self._budget_left(out))
             if not self.make_room(seq, end, out):
                 break  # seq itself was the newest and is now preempted: nobody after it
@@ -221,7 +232,7 @@ class Scheduler:
         """Give ``seq`` blocks for ``num_tokens`` tokens, preempting the newest running
         sequences until it fits. False if ``seq`` itself had to go."""
         while not self.allocator.can_allocate(seq, num_tokens):
-            victim = self.running[-1]
+            victim = next(s for s in reversed(self.running) if id(s) not in self._busy)  # seq at the latest
             self.preempt(victim, out)
             if victim is seq:
                 return False
@@ -243,7 +254,8 @@ class Scheduler:
 
     def admit_waiting(self, out: SchedulerOutput, now: float) -> None:
         """Admit waiting sequences in order until the first that does not fit."""
-        while self.waiting and len(self.running) < self.max_num_seqs and self._budget_left(out) > 0:
+        while (self.waiting and len(self.running) < self.max_num_seqs and self._budget_left(out) > 0
+               and len(out.chunks) < self._max_seqs):
             seq = self.waiting[0]
             # A prompt being scored must run through the model: cached blocks have no logits.
             shared = [] if seq.scoring_prompt else self.allocator.match_prefix(seq)
