@@ -85,52 +85,55 @@ def _decode_rounds(llm: LLM, batch: int, prompt_len: int, rounds: int, steps_per
 
 
 def measure_bubble(model: GPT, stages: int = 2, micro_batches: tuple[int, ...] = (1, 2, 4), batch: int = 16,
-                   prompt_len: int = 32, rounds: int = 8, threads: int = 1, repeats: int = 3) -> list[dict]:
-    """One row per way of running ``batch`` decoding requests: one process on ``threads`` and
-    on ``stages * threads`` threads (weights unpacked, as the stages run them), then
-    ``stages`` processes of ``threads`` threads with each number of ``micro_batches`` in
-    flight (the requests split evenly among them). Each is timed over ``rounds`` rounds
-    (every request one token further), ``repeats`` times; medians.
+                   micro_batch_size: int | None = None, prompt_len: int = 32, rounds: int = 8, threads: int = 1,
+                   repeats: int = 3) -> list[dict]:
+    """Decoding requests through ``stages`` processes of ``threads`` threads, with each number
+    of ``micro_batches`` in flight, beside one process on ``stages * threads`` threads (the
+    same cores; weights unpacked, as the stages run them) decoding as many requests. The
+    requests are ``batch`` in all, split evenly among the micro-batches, or with
+    ``micro_batch_size``, that many per micro-batch. Each setup is timed over ``rounds`` rounds
+    (every request one token further), ``repeats`` times; medians, and the rounds' spread.
 
-    Row fields: ``setup``, ``micro_batches``, ``round_ms``, ``tokens_per_s``; for the
-    pipelines also, per stage ``s``, ``busy_ms_{s}`` (computing its blocks, per round) and
-    ``utilisation_{s}`` (that over the round), and ``rank0_not_waiting`` (the share of the
-    round rank 0 spent on anything but waiting for the pipeline: stage 0, the head, sampling
-    and scheduling)."""
-    blocks = batch * (-(-(prompt_len + 4 + 2 * rounds) // 16) + 1)
+    Row fields: ``setup``, ``micro_batches``, ``batch``, ``round_ms`` (``_min``, ``_max``),
+    ``tokens_per_s``; for the pipelines also, per stage ``s``, ``busy_ms_{s}`` (computing its
+    blocks, per round) and ``utilisation_{s}`` (that over the round), and
+    ``rank0_not_waiting``: the share of the round rank 0 spent on anything but waiting for the
+    pipeline (stage 0, the head, sampling, scheduling)."""
     previous = torch.get_num_threads()
-    rows = []
+    rows, baselines = [], {}
     try:
-        for n_threads in (threads, stages * threads):
-            torch.set_num_threads(n_threads)
-            with LLM(model, num_blocks=blocks, pack_weights=False) as llm:
-                runs = [_decode_rounds(llm, batch, prompt_len, rounds, 1) for _ in range(repeats)]
-            rows.append(_row(f"1 process, {n_threads} thread{'s' if n_threads > 1 else ''}", 1, runs, rounds))
-        torch.set_num_threads(threads)
         for m in micro_batches:
+            total = batch if micro_batch_size is None else m * micro_batch_size
+            blocks = total * (-(-(prompt_len + 4 + 2 * rounds) // 16) + 1)
+            if total not in baselines:
+                torch.set_num_threads(stages * threads)
+                with LLM(model, num_blocks=blocks, pack_weights=False) as llm:
+                    runs = [_decode_rounds(llm, total, prompt_len, rounds, 1) for _ in range(repeats)]
+                baselines[total] = _row(f"1 process, {stages * threads} threads", 1, total, runs, rounds)
+                rows.append(baselines[total])
+            torch.set_num_threads(threads)
             with LLM(model, pipeline_parallel_size=stages, pipeline_micro_batches=m, num_blocks=blocks) as llm:
                 runs, stats = [], []
                 for _ in range(repeats):
-                    runs.append(_decode_rounds(llm, batch, prompt_len, rounds, m))
+                    runs.append(_decode_rounds(llm, total, prompt_len, rounds, m))
                     stats.append(llm.engine.model.stage_stats())
-            row = _row(f"{stages} stages, {m} in flight", m, runs, rounds)
-            seconds = [s for s, _ in runs]
+            row = _row(f"{stages} stages, {m} in flight", m, total, runs, rounds)
+            wall = statistics.median(s for s, _ in runs)
             for s in range(stages):
                 busy = statistics.median(st[s].busy_seconds for st in stats)
                 row[f"busy_ms_{s}"] = 1e3 * busy / rounds
-                row[f"utilisation_{s}"] = busy / statistics.median(seconds)
-            wait = statistics.median(st[0].wait_seconds for st in stats)
-            row["rank0_not_waiting"] = 1 - wait / statistics.median(seconds)
+                row[f"utilisation_{s}"] = busy / wall
+            row["rank0_not_waiting"] = 1 - statistics.median(st[0].wait_seconds for st in stats) / wall
             rows.append(row)
     finally:
         torch.set_num_threads(previous)
     return rows
 
 
-def _row(setup: str, micro_batches: int, runs: list[tuple[float, int]], rounds: int) -> dict:
+def _row(setup: str, micro_batches: int, batch: int, runs: list[tuple[float, int]], rounds: int) -> dict:
     seconds = [s for s, _ in runs]
-    rates = sorted(n / s for s, n in runs)
-    return {"setup": setup, "micro_batches": micro_batches, "round_ms": 1e3 * statistics.median(seconds) / rounds,
+    rates = [n / s for s, n in runs]
+    return {"setup": setup, "micro_batches": micro_batches, "batch": batch, "round_ms": 1e3 * statistics.median(seconds) / rounds,
             "round_ms_min": 1e3 * min(seconds) / rounds, "round_ms_max": 1e3 * max(seconds) / rounds,
             "tokens_per_s": statistics.median(rates)}
 
