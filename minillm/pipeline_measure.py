@@ -30,6 +30,7 @@ class PipelineEquivalence:
     reference_tokens: list[list[int]]
     pipelined_tokens: dict[int, list[list[int]]]  # by micro-batches in flight
     preemptions: dict[int, int]  # by micro-batches in flight
+    bytes_per_token: float  # counted over the full forwards: every stage's sends, per token
 
     @property
     def tokens_identical(self) -> bool:
@@ -51,11 +52,14 @@ def check_pipeline_equivalence(model: GPT, prompts: list[str] | list[list[int]],
         with LLM(model, pipeline_parallel_size=stages, pipeline_micro_batches=m, num_blocks=num_blocks) as llm:
             tokens[m] = [o.token_ids for o in llm.generate(ids, params, use_tqdm=False)]
             preemptions[m] = llm.engine.stats().preemptions
+            pipeline = llm.engine.model
+            pipeline.reset_stats()
             with torch.inference_mode():
                 for prompt in ids:
                     x = torch.tensor([prompt], device=model.device)
-                    diff = max(diff, (llm.engine.model(x) - model(x)).abs().max().item())
-    return PipelineEquivalence(stages, diff, reference, tokens, preemptions)
+                    diff = max(diff, (pipeline(x) - model(x)).abs().max().item())
+            sent = sum(s.bytes_sent for s in pipeline.stage_stats()) / sum(map(len, ids))
+    return PipelineEquivalence(stages, diff, reference, tokens, preemptions, sent)
 
 
 def _decode_rounds(llm: LLM, batch: int, prompt_len: int, rounds: int, steps_per_round: int) -> tuple[float, int]:

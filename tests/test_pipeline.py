@@ -205,3 +205,30 @@ def test_pipelined_forwards_are_waited_for_in_order(model):
             second.wait()
         assert torch.equal(first.wait(), model.hidden_states(torch.tensor([PROMPTS[0]])))
         assert torch.equal(second.wait(), model.hidden_states(torch.tensor([PROMPTS[1]])))
+
+
+def test_the_bubble_measurement_reports_each_stage(model):
+    from minillm.pipeline_measure import measure_bubble, predict_utilisation
+
+    rows = measure_bubble(model, stages=2, micro_batches=(1, 2), micro_batch_size=2, prompt_len=4, rounds=2, repeats=1)
+    assert [(r["setup"], r["batch"]) for r in rows] == [
+        ("1 process, 2 threads", 2), ("2 stages, 1 in flight", 2), ("1 process, 2 threads", 4), ("2 stages, 2 in flight", 4)]
+    for r in rows:
+        # every request advanced one token per round: tokens/s is batch / round time
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] / (r["round_ms"] / 1e3), rel=1e-6)
+    for r in rows[1::2]:
+        assert 0 < r["utilisation_1"] <= 1 and 0 < r["rank0_not_waiting"] <= 1
+        assert r["busy_ms_1"] <= r["round_ms"]
+    assert predict_utilisation(10.0, 0.0, 8, 1) == pytest.approx(1 / 8)
+    assert predict_utilisation(10.0, 0.0, 8, 16) == 1.0
+    assert predict_utilisation(10.0, 10.0, 2, 2) == pytest.approx(0.5)
+
+
+def test_the_chapters_equivalence_check_counts_what_it_sends(model):
+    from minillm.pipeline_measure import check_pipeline_equivalence
+
+    prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[4]]  # 1 + 2 + 1 blocks admitted, then they grow: preemption
+    eq = check_pipeline_equivalence(model, prompts, stages=2, max_new_tokens=16, num_blocks=4)
+    assert eq.tokens_identical and all(n > 0 for n in eq.preemptions.values())
+    assert eq.max_abs_logit_diff == 0.0  # the same blocks in the same order: bit for bit
+    assert eq.bytes_per_token == pipeline_volume(TINY, 2).sent_per_token

@@ -22,6 +22,11 @@ scheduler builds one batch under three limits, ``max_num_seqs`` sequences runnin
    slots for the draft tokens (:meth:`Scheduler.reserve_lookahead`), so the scheduler stays
    the only one that hands out blocks.
 
+4. With a pipelined model (chapter 16) the engine keeps several micro-batches in flight and
+   asks for each one separately, naming the sequences already in flight: they are neither
+   scheduled again nor preempted (their keys are still being written), and each micro-batch
+   takes a share of the sequences, so they come out of similar size.
+
 A request that could never run (an empty prompt, a prompt that fills the context, or one
 needing more blocks than the pool holds) is refused at :meth:`Scheduler.add`.
 """
