@@ -213,8 +213,10 @@ class PipelineParallelGPT:
 
     def launch(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                cache: KVCache | None = None) -> PendingForward:
-        """Start a forward: tell every stage its layout, run stage 0 and send its output on.
-        Returns before the later stages have finished; forwards complete in launch order."""
+        """Start a forward: run stage 0, then tell every stage the layout and send stage 0's
+        output on. Returns before the later stages have finished; forwards complete in launch
+        order. Stage 0 runs first so that if it raises, no stage has been told anything and
+        the stages stay in step."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, time], got shape {tuple(tokens.shape)}")
         if positions is None and tokens.shape[1] > self.full_cfg.context_length:
@@ -222,13 +224,13 @@ class PipelineParallelGPT:
         if cache is not None and cache is not self._last_cache:
             self._cache_key, self._last_cache = self._cache_key + 1, cache
         shape = tuple(tokens.shape)
-        self._send(("forward", (shape, cache_layout(cache, self._cache_key))))
         start = time.perf_counter()
         out = self.stage.run(tokens, positions, cache).contiguous()
         if out.device.type == "cuda":
             torch.cuda.synchronize(out.device)
         self.busy_seconds += time.perf_counter() - start
         self.forwards += 1
+        self._send(("forward", (shape, cache_layout(cache, self._cache_key))))
         pending = PendingForward(self, shape, out, None if self.size == 1 else self.link.send(out, 1))
         self._in_flight.append(pending)
         return pending
