@@ -218,9 +218,10 @@ class Scheduler:
         return self.max_num_batched_tokens - out.num_batched_tokens
 
     def schedule_running(self, out: SchedulerOutput) -> None:
-        """One chunk per running sequence, oldest first, while the token budget lasts.
-        Preemption takes sequences from the end of ``running``, which this loop has not
-        reached yet, so no scheduled chunk ever loses its blocks."""
+        """One chunk per running sequence, oldest first, while the token budget lasts (with a
+        pipeline, skipping the sequences in flight). Preemption takes sequences from the end of
+        ``running``, which this loop has not reached yet, so no scheduled chunk ever loses its
+        blocks."""
         i = 0
         while i < len(self.running) and self._budget_left(out) > 0 and len(out.chunks) < self._max_seqs:
             seq = self.running[i]
@@ -237,12 +238,17 @@ class Scheduler:
         """Give ``seq`` blocks for ``num_tokens`` tokens, preempting the newest running
         sequences until it fits. False if ``seq`` itself had to go."""
         while not self.allocator.can_allocate(seq, num_tokens):
-            victim = next(s for s in reversed(self.running) if id(s) not in self._busy)  # seq at the latest
+            victim = self.newest_preemptible()  # seq itself, at the latest
             self.preempt(victim, out)
             if victim is seq:
                 return False
         self.allocator.grow(seq, num_tokens)
         return True
+
+    def newest_preemptible(self) -> Sequence:
+        """The newest running sequence that no micro-batch has in flight (without a pipeline,
+        simply the newest): the next to preempt."""
+        return next(s for s in reversed(self.running) if id(s) not in self._busy)
 
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Take back all of ``seq``'s blocks and queue it first, to recompute later. Its
