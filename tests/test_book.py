@@ -52,6 +52,21 @@ def test_notebook_outputs_were_committed_in_order(notebook):
     assert not [o for c in cells for o in c["outputs"] if o["output_type"] == "error"]
 
 
+GLUE_REFERENCE = re.compile(r"\{glue(?::[a-z]+)?\}`([^`]+)`")
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_glued_number_the_prose_cites_is_in_the_committed_outputs(notebook):
+    """A figure a paragraph quotes through glue must have been recorded by the committed run: a
+    name cited but never glued, or glued by code added after the outputs were committed, would
+    render as a warning instead of the number."""
+    cells = json.loads(notebook.read_text())["cells"]
+    cited = {m.group(1).split(":")[0] for text in markdown_cells(notebook) for m in GLUE_REFERENCE.finditer(text)}
+    recorded = {o["metadata"]["scrapbook"]["name"] for c in cells if c["cell_type"] == "code"
+                for o in c["outputs"] if "scrapbook" in o.get("metadata", {})}
+    assert cited <= recorded, f"cited in the prose but not in the committed outputs: {sorted(cited - recorded)}"
+
+
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
 def test_every_chapter_opens_with_its_goal_and_ends_with_summary_and_exercises(notebook):
     cells = markdown_cells(notebook)
