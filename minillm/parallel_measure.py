@@ -15,7 +15,8 @@ import torch
 import torch.multiprocessing as mp
 
 from minillm.config import ModelConfig
-from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine.config import EngineConfig
+from minillm.engine.llm_engine import LLMEngine
 from minillm.generate import ContiguousKVCache, generate_kv_cache
 from minillm.model import GPT
 from minillm.parallel import ShardedGPT, check_tensor_parallel_size, make_group, rendezvous, shard_state_dict

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from minillm.cli import ArgumentParser, UsageError
-from minillm.engine.llm_engine import EngineConfig
+from minillm.engine.config import EngineConfig
 from minillm.quant import check_scheme
 from minillm.units import parse_memory, resolve_dtype
 from server.connections import CLIENT_FLAGS, CLIENT_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, MAX_CONNECTIONS

@@ -14,7 +14,8 @@ from minillm.engine import decode_graphs
 from minillm.engine.block_allocator import BlockAllocator
 from minillm.engine.decode_graphs import DecodeGraphs, bucket_sizes, capture_unsupported
 from minillm.engine.kv_cache import PagedKVPool
-from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine.config import EngineConfig
+from minillm.engine.llm_engine import LLMEngine
 from minillm.model import GPT
 from minillm.quant import quantize_model
 from minillm.sampling import SamplingParams

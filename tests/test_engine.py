@@ -5,7 +5,7 @@ import torch
 
 from minillm.config import ModelConfig
 from minillm.engine import LLM, LLMEngine, SamplingParams
-from minillm.engine.llm_engine import EngineConfig
+from minillm.engine.config import EngineConfig
 from minillm.generate import generate_kv_cache, generate_naive, generate_static_batch
 from minillm.model import GPT
 from minillm.tokenizer import get_tokenizer

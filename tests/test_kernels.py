@@ -12,7 +12,7 @@ from minillm.bench.__main__ import main as bench_main
 from minillm.cli import UsageError
 from minillm.config import ModelConfig
 from minillm.engine import LLM
-from minillm.engine.llm_engine import EngineConfig
+from minillm.engine.config import EngineConfig
 from minillm.hardware import get_spec
 from minillm.kernels import (
     TrafficCounter,

@@ -20,7 +20,8 @@ from models import tiny_model
 from test_server_live import Gate, live_server, small_engine
 
 from minillm.cli import UsageError
-from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine.config import EngineConfig
+from minillm.engine.llm_engine import LLMEngine
 from minillm.model import GPT
 from minillm.tokenizer import EOT_ID, get_tokenizer
 from server import loadgen_client

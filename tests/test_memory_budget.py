@@ -24,7 +24,7 @@ from minillm.config import ModelConfig, get_preset
 from minillm.engine import LLM, SamplingParams
 from minillm.engine.build import EngineOptionError
 from minillm.engine.kv_cache import kv_bytes_per_token
-from minillm.engine.llm_engine import EngineConfig
+from minillm.engine.config import EngineConfig
 from minillm.engine.memory import (MemoryBudgetError, mib, plan, resident_bytes, weight_bytes,
                                    worst_steps)
 from minillm.model import GPT

@@ -22,7 +22,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from test_server_live import Gate
 
 from minillm.config import ModelConfig
-from minillm.engine.llm_engine import EngineConfig, EngineStats, LLMEngine
+from minillm.engine.config import EngineConfig
+from minillm.engine.llm_engine import EngineStats, LLMEngine
 from minillm.model import GPT
 from minillm.tokenizer import get_tokenizer
 from server.app import STATE, State, create_app

@@ -20,7 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_server import GREEDY, metric, model, run, serving, settled, sse_events, state  # noqa: F401 (model: fixture)
 
-from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine.config import EngineConfig
+
+from minillm.engine.llm_engine import LLMEngine
 from minillm.model import GPT
 from minillm.tokenizer import get_tokenizer
 from server.app import STATE, create_app

@@ -28,7 +28,8 @@ from models import tiny_model
 
 from minillm.checkpoint import save_checkpoint
 from minillm.cli import UsageError
-from minillm.engine.llm_engine import EngineConfig, EngineStats, LLMEngine
+from minillm.engine.config import EngineConfig
+from minillm.engine.llm_engine import EngineStats, LLMEngine
 from minillm.model import GPT
 from minillm.tokenizer import get_tokenizer
 from server.__main__ import banner, build, serve

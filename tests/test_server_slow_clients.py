@@ -14,7 +14,9 @@ import time
 
 from test_server_live import Live, live_server, model, small_engine  # noqa: F401 (model: fixture)
 
-from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine.config import EngineConfig
+
+from minillm.engine.llm_engine import LLMEngine
 from minillm.model import GPT
 from minillm.tokenizer import get_tokenizer
 import server.app

@@ -20,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_server_live import Live, live_server, model  # noqa: F401 (model: fixture)
 
 import server.app
-from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine.config import EngineConfig
+from minillm.engine.llm_engine import LLMEngine
 from minillm.model import GPT
 from minillm.tokenizer import get_tokenizer
 from server.app import STATE

@@ -16,7 +16,8 @@ from minillm.checkpoint import save_checkpoint
 from minillm.cli import UsageError
 from minillm.config import ModelConfig
 from minillm.engine.llm import LLM
-from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine.config import EngineConfig
+from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.build import build_speculator
 from minillm.engine.speculator import Speculator
 from minillm.model import GPT

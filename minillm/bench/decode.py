@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from minillm.bench import llamacpp
-from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine.config import EngineConfig
+from minillm.engine.llm_engine import LLMEngine
 from minillm.hardware import measure_bandwidth, measure_matmul_flops
 from minillm.model import GPT, matmul_parameters
 from minillm.sampling import SamplingParams

@@ -21,7 +21,9 @@ from typing import Callable
 
 import torch
 
-from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine.config import EngineConfig
+
+from minillm.engine.llm_engine import LLMEngine
 from minillm.hardware import device_name
 from minillm.model import GPT
 from minillm.sampling import SamplingParams

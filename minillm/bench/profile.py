@@ -29,7 +29,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from minillm.bench.decode import ENGINES, prompts
 from minillm.engine import model_runner
-from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine.config import EngineConfig
+from minillm.engine.llm_engine import LLMEngine
 from minillm.model import GPT
 from minillm.sampling import SamplingParams
 

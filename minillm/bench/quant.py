@@ -35,7 +35,7 @@ import torch
 from minillm.checkpoint import load_model, load_state
 from minillm.data import Corpus, prepare_corpus
 from minillm.engine import LLM, LLMEngine, SamplingParams
-from minillm.engine.llm_engine import EngineConfig
+from minillm.engine.config import EngineConfig
 from minillm.hardware import DTYPES, device_name, measure_bandwidth, median_seconds
 from minillm.model import GPT
 from minillm.quant import SCHEMES, cast_and_quantize, kernels_used, model_bytes

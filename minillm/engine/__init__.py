@@ -6,6 +6,7 @@
 - ``scheduler``: who runs this step: admission, the token budget, preemption by recompute,
   and lookahead slots for speculative decoding.
 - ``model_runner``: turns a scheduled batch into tensors and runs one forward pass.
+- ``config``: ``EngineConfig``, the pool's size, the step's limits and how the model runs.
 - ``llm_engine``: ``add_request``, ``step`` and ``abort``.
 - ``speculator``: speculative decoding (chapter 14) for steps that decode a single request.
 - ``build``: ``build_engine``, from weights to an engine (load, cast, quantize, split, draft);
@@ -16,7 +17,8 @@ model; only the runner touches tensors. ``LLM`` and ``build_engine`` load checkp
 quantize, so they are imported on first use: ``import minillm.engine`` stays light.
 """
 
-from minillm.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from minillm.engine.config import EngineConfig
+from minillm.engine.llm_engine import LLMEngine, RequestOutput
 from minillm.sampling import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams", "build_engine"]

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from minillm.checkpoint import load_model
-from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine.config import EngineConfig
+from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.memory import MemoryBudgetError
 from minillm.engine.speculator import Speculator
 from minillm.model import GPT

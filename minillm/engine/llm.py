@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from minillm.engine.build import build_engine
-from minillm.engine.llm_engine import EngineConfig
+from minillm.engine.config import EngineConfig
 from minillm.logprobs import TokenLogprobs
 from minillm.model import GPT
 from minillm.sampling import SamplingParams

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.config import ModelConfig
 from minillm.detokenizer import IncrementalDetokenizer
 from minillm.engine.block_allocator import BlockAllocator
+from minillm.engine.config import EngineConfig
 from minillm.engine.decode_graphs import DecodeGraphs, capture_mode, capture_unsupported
-from minillm.engine.kv_cache import ATTENTION_BACKENDS, PagedKVPool, blocks_for_memory
+from minillm.engine.kv_cache import PagedKVPool
 from minillm.engine.memory import MemorySplit, measure
 from minillm.engine.model_runner import ChunkOutput, LaunchedStep, ModelRunner
 from minillm.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
@@ -34,125 +34,6 @@ from minillm.packed import pack_weights, packing_unsupported
 from minillm.sampling import SamplingParams, make_generator
 from minillm.structured import GrammarCompiler
 from minillm.tokenizer import Tokenizer, get_tokenizer
-from minillm.units import parse_memory
-
-CPU_KV_CACHE_MEMORY = "1GiB"
-GPU_MEMORY_FRACTION = 0.9
-
-
-@dataclass
-class EngineConfig:
-    """How big the KV pool is and how much work one step may take on.
-
-    ``kv_cache_memory`` is the KV cache's byte budget (``"6GiB"``); by default 1 GiB on a CPU,
-    and on a GPU 90% of the memory left free after the model is loaded. ``memory_budget`` is
-    the whole process's instead (weights, activations, runtime and cache: on a GPU the device's
-    memory, on a CPU the resident set): the engine measures the rest by running its largest
-    step, and the cache gets what remains (:mod:`minillm.engine.memory`); it is refused
-    together with ``kv_cache_memory`` or ``num_blocks``, which size the cache alone.
-    ``num_blocks`` overrides the byte budgets (tests use tiny pools to force preemption).
-    ``tensor_parallel_size`` splits the model over that many processes (``minillm.parallel``;
-    :func:`minillm.engine.build.build_engine` starts them); both budgets are then per rank,
-    each holding its heads. ``pipeline_parallel_size`` splits its blocks into that many stages,
-    one process each (:mod:`minillm.pipeline`); ``kv_cache_memory`` is then per stage, and
-    ``pipeline_micro_batches`` (by default as many as stages) is how many batches the engine
-    keeps in flight so the stages work at once.
-    """
-
-    block_size: int = 16
-    kv_cache_memory: str | int | None = None
-    memory_budget: str | int | None = None
-    num_blocks: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    pipeline_micro_batches: int | None = None
-    attention: str = "torch"  # "triton": chapter 15's kernels (CUDA, or the interpreter on a CPU)
-    # Decode-only steps as captured programs (minillm.engine.decode_graphs): True keeps every
-    # step eager (the reference); False captures them wherever the model allows (not a
-    # tensor-parallel or quantized one); None captures where it is cheap: a CUDA graph records
-    # in well under a second, while Inductor compiles and times its matrix kernels for about a
-    # minute per batch bucket on a small CPU, which a server pays once and a notebook should not.
-    enforce_eager: bool | None = None
-    # Run a copy of the model whose matrices are prepacked for oneDNN (minillm.packed): True
-    # insists, False keeps the weights as they are, None packs wherever it is supported (a
-    # float32 model on a CPU) unless enforce_eager asks for the plain reference path, or
-    # memory_budget for memory that stays where it was measured: oneDNN keeps a primitive, with
-    # its scratch memory, for every batch shape it has run (about 2.6 MB per shape on the tiny
-    # preset, up to its caches' 1,024 entries), so a packed model grows with each new shape long
-    # after any warm-up; the two are refused together.
-    pack_weights: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.attention not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention!r}")
-        if self.attention == "triton" and self.tensor_parallel_size > 1:
-            raise ValueError("attention='triton' runs on one device; use it with tensor_parallel_size=1")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        self._check_pipeline()
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.kv_cache_memory is not None:
-            parse_memory(self.kv_cache_memory)
-        if self.memory_budget is not None:
-            parse_memory(self.memory_budget)
-            if self.kv_cache_memory is not None or self.num_blocks is not None:
-                raise ValueError(
-                    "memory_budget sizes the KV cache from the whole process's memory, kv_cache_memory and "
-                    "num_blocks size it alone: give one of them"
-                )
-            if self.pack_weights:
-                raise ValueError("pack_weights=True does not combine with memory_budget: oneDNN's per-shape "
-                                 "primitives grow past what a warm-up measures (see EngineConfig.pack_weights)")
-
-    def _check_pipeline(self) -> None:
-        """What pipeline parallelism refuses: a bad size, and the options it does not combine with."""
-        size = self.pipeline_parallel_size
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"pipeline_parallel_size (--pipeline-parallel-size) must be an integer >= 1, got {size!r}")
-        if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
-            raise ValueError(f"pipeline_micro_batches must be >= 1, got {self.pipeline_micro_batches}")
-        if size == 1:
-            return
-        clashes = {
-            "tensor_parallel_size > 1": self.tensor_parallel_size > 1,
-            "attention='triton'": self.attention == "triton",
-            "memory_budget": self.memory_budget is not None,
-            "enforce_eager=False": self.enforce_eager is False,
-            "pack_weights=True": self.pack_weights is True,
-        }
-        for option, clash in clashes.items():
-            if clash:
-                raise ValueError(f"pipeline_parallel_size (--pipeline-parallel-size) > 1 does not combine with {option} "
-                                 "(not supported: its stages run eagerly, one process and one device each)")
-
-    @property
-    def micro_batches(self) -> int:
-        """Batches the engine keeps in flight: 1 unless the model is split into stages."""
-        if self.pipeline_parallel_size == 1:
-            return 1
-        return self.pipeline_micro_batches or self.pipeline_parallel_size
-
-    def pool_blocks(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
-        if self.num_blocks is not None:
-            return self.num_blocks
-        if self.kv_cache_memory is not None:
-            budget = parse_memory(self.kv_cache_memory)
-        elif device.type == "cuda":
-            budget = int(torch.cuda.mem_get_info(device)[0] * GPU_MEMORY_FRACTION)
-        else:
-            budget = parse_memory(CPU_KV_CACHE_MEMORY)
-        blocks = blocks_for_memory(cfg, dtype, self.block_size, budget)
-        if blocks < 1:
-            raise ValueError(f"a KV cache of {budget} bytes holds not even one block of {self.block_size} tokens")
-        return blocks
 
 
 @dataclass
