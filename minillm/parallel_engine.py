@@ -157,6 +157,53 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, device: st
 # ----------------------------------------------------------------------------- rank 0
 
 
+class WorkerProcesses:
+    """Rank 0's side of its worker processes, shared by the tensor- and pipeline-parallel
+    models: one duplex pipe per worker, step messages broadcast down them, and a finalizer
+    that stops the workers on :meth:`close`, on garbage collection or at this process's exit.
+    ``role`` names the workers in errors ("tensor-parallel worker", "pipeline stage")."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.conns: list = []
+        self.processes: list = []
+        self._finalizer = weakref.finalize(self, _stop_workers, self.conns, self.processes)
+
+    def spawn(self, target, args: tuple, name: str) -> None:
+        """Start ``target(*args, conn)`` in a new process (spawned: CUDA and threads survive)."""
+        ctx = mp.get_context("spawn")
+        ours, theirs = ctx.Pipe()
+        process = ctx.Process(target=target, args=(*args, theirs), daemon=True, name=name)  # daemon: ends with us
+        process.start()
+        theirs.close()  # ours is now the only other end: the worker sees EOF if this process dies
+        self.conns.append(ours)
+        self.processes.append(process)
+
+    def wait_ready(self) -> None:
+        for conn, process in zip(self.conns, self.processes):
+            if not conn.poll(READY_TIMEOUT_S) or conn.recv() != "ready":
+                raise RuntimeError(f"{self.role} {process.name} did not start (exit {process.exitcode})")
+
+    def send(self, message: tuple) -> None:
+        """The same message to every worker, in order."""
+        if not self._finalizer.alive:
+            raise RuntimeError(f"the {self.role}s are closed")
+        data = dumps_step(message)
+        for conn, process in zip(self.conns, self.processes):
+            try:
+                conn.send_bytes(data)
+            except OSError:
+                process.join(timeout=1)
+                raise RuntimeError(f"{self.role} {process.name} has exited (exit {process.exitcode})") from None
+
+    def exit_codes(self) -> str:
+        return ", ".join(f"{p.name} exit {p.exitcode}" for p in self.processes)
+
+    def close(self) -> None:
+        """Stop the workers and wait for them to exit (idempotent)."""
+        self._finalizer()
+
+
 class TensorParallelGPT:
     """A ``GPT`` split over ``world_size`` processes, used from rank 0 as if it were a ``GPT``.
 
@@ -180,8 +227,7 @@ class TensorParallelGPT:
         backend = "nccl" if device.type == "cuda" else "gloo"
         threads = threads or max(1, torch.get_num_threads() // world_size)
         self._store = rendezvous(world_size) if world_size > 1 else None
-        self._conns, self._workers = [], []
-        self._finalizer = weakref.finalize(self, stop_workers, self._conns, self._workers)
+        self.workers = WorkerProcesses("tensor-parallel worker")
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         try:
             for rank in range(1, world_size):
@@ -190,7 +236,7 @@ class TensorParallelGPT:
             if world_size > 1:
                 group, _ = make_group(backend, 0, world_size, self._store)
             self.shard = shard_gpt(model, 0, world_size, group)
-            self._wait_ready()
+            self.workers.wait_ready()
         except BaseException:
             self.close()
             raise
@@ -199,25 +245,10 @@ class TensorParallelGPT:
 
     def _spawn(self, rank: int, world_size: int, backend: str, model: GPT, state: dict, threads: int) -> None:
         """Start rank ``rank``'s process, which receives only its own shard's weights."""
-        ctx = mp.get_context("spawn")
-        ours, theirs = ctx.Pipe()
         device = f"cuda:{rank}" if backend == "nccl" else "cpu"
         impl = model.blocks[0].attn.impl
-        process = ctx.Process(
-            target=_worker_main,
-            args=(rank, world_size, self._store.port, backend, device, model.cfg, state, impl, threads, theirs),
-            daemon=True,  # and so stopped by this process's exit, whatever the caller forgot
-            name=f"minillm-tp-rank{rank}",
-        )
-        process.start()
-        theirs.close()  # ours is now the only other end: the worker sees EOF if this process dies
-        self._conns.append(ours)
-        self._workers.append(process)
-
-    def _wait_ready(self) -> None:
-        for conn, process in zip(self._conns, self._workers):
-            if not conn.poll(READY_TIMEOUT_S) or conn.recv() != "ready":
-                raise RuntimeError(f"tensor-parallel worker {process.name} did not start (exit {process.exitcode})")
+        self.workers.spawn(_worker_main, (rank, world_size, self._store.port, backend, device, model.cfg, state, impl,
+                                          threads), name=f"minillm-tp-rank{rank}")
 
     # -- what the engine sees
 
@@ -239,7 +270,7 @@ class TensorParallelGPT:
 
     def set_attention(self, impl: str) -> TensorParallelGPT:
         self.shard.set_attention(impl)
-        self._send(("attention", impl))
+        self.workers.send(("attention", impl))
         return self
 
     def hidden_states(
@@ -247,7 +278,7 @@ class TensorParallelGPT:
     ) -> torch.Tensor:
         if cache is not None and cache is not self._last_cache:
             self._cache_key, self._last_cache = self._cache_key + 1, cache
-        self._send(("forward", (tokens, positions, cache_layout(cache, self._cache_key))))
+        self.workers.send(("forward", (tokens, positions, cache_layout(cache, self._cache_key))))
         return self.shard.hidden_states(tokens, positions, cache)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -260,22 +291,11 @@ class TensorParallelGPT:
             self.shard.check_positions(positions)
         return self.logits(self.hidden_states(tokens, positions, cache))
 
-    def _send(self, message: tuple) -> None:
-        if not self._finalizer.alive:
-            raise RuntimeError("this TensorParallelGPT is closed")
-        data = dumps_step(message)
-        for conn, process in zip(self._conns, self._workers):
-            try:
-                conn.send_bytes(data)
-            except OSError:
-                process.join(timeout=1)
-                raise RuntimeError(f"tensor-parallel worker {process.name} has exited (exit {process.exitcode})") from None
-
     # -- lifetime
 
     def close(self) -> None:
         """Stop the workers and wait for them to exit (idempotent)."""
-        self._finalizer()
+        self.workers.close()
 
     def __enter__(self) -> TensorParallelGPT:
         return self
@@ -284,7 +304,7 @@ class TensorParallelGPT:
         self.close()
 
 
-def stop_workers(conns: list, workers: list) -> None:
+def _stop_workers(conns: list, workers: list) -> None:
     """Ask each worker to stop, then make sure: a worker that has not exited 10 s later (one
     stuck waiting for a peer, say) is terminated."""
     for conn in conns:

@@ -23,16 +23,14 @@ from __future__ import annotations
 import pickle
 import signal
 import time
-import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.multiprocessing as mp
 
 from minillm.config import ModelConfig
 from minillm.model import GPT, KVCache
 from minillm.parallel import check_splittable, make_group, rendezvous
-from minillm.parallel_engine import READY_TIMEOUT_S, WorkerCaches, cache_layout, dumps_step, set_worker_device, stop_workers
+from minillm.parallel_engine import WorkerCaches, WorkerProcesses, cache_layout, set_worker_device
 from minillm.pipeline import (
     PipelineStage,
     PointToPoint,
@@ -143,8 +141,7 @@ class PipelineParallelGPT:
         self.size, self.full_cfg = size, model.cfg
         self.largest_stage_cfg = stage_config(model.cfg, max(self.layers, key=len))
         self._store = rendezvous(size) if size > 1 else None
-        self._conns, self._workers = [], []
-        self._finalizer = weakref.finalize(self, stop_workers, self._conns, self._workers)
+        self.workers = WorkerProcesses("pipeline stage")
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         impl = model.blocks[0].attn.impl
         try:
@@ -156,7 +153,7 @@ class PipelineParallelGPT:
                 group, _ = make_group(backend, 0, size, self._store)
                 self.link = PointToPoint(group)
             self.stage = build_stage(model, self.layers, 0)
-            self._wait_ready()
+            self.workers.wait_ready()
         except BaseException:
             self.close()
             raise
@@ -165,24 +162,9 @@ class PipelineParallelGPT:
         self.busy_seconds, self.forwards = 0.0, 0
 
     def _spawn(self, rank: int, backend: str, cfg: ModelConfig, state: dict, impl: str, threads: int) -> None:
-        ctx = mp.get_context("spawn")
-        ours, theirs = ctx.Pipe()
         device = f"cuda:{rank}" if backend == "nccl" else "cpu"
-        process = ctx.Process(
-            target=_worker_main,
-            args=(rank, self.size, self._store.port, backend, device, cfg, self.layers[rank], state, impl, threads, theirs),
-            daemon=True,
-            name=f"minillm-pp-stage{rank}",
-        )
-        process.start()
-        theirs.close()  # the worker sees EOF if this process dies
-        self._conns.append(ours)
-        self._workers.append(process)
-
-    def _wait_ready(self) -> None:
-        for conn, process in zip(self._conns, self._workers):
-            if not conn.poll(READY_TIMEOUT_S) or conn.recv() != "ready":
-                raise RuntimeError(f"pipeline stage {process.name} did not start (exit {process.exitcode})")
+        self.workers.spawn(_worker_main, (rank, self.size, self._store.port, backend, device, cfg, self.layers[rank],
+                                          state, impl, threads), name=f"minillm-pp-stage{rank}")
 
     # -- what the engine sees
 
@@ -208,7 +190,7 @@ class PipelineParallelGPT:
 
     def set_attention(self, impl: str) -> PipelineParallelGPT:
         self.stage.set_attention(impl)
-        self._send(("attention", impl))
+        self.workers.send(("attention", impl))
         return self
 
     def launch(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
@@ -230,7 +212,7 @@ class PipelineParallelGPT:
             torch.cuda.synchronize(out.device)
         self.busy_seconds += time.perf_counter() - start
         self.forwards += 1
-        self._send(("forward", (shape, cache_layout(cache, self._cache_key))))
+        self.workers.send(("forward", (shape, cache_layout(cache, self._cache_key))))
         pending = PendingForward(self, shape, out, None if self.size == 1 else self.link.send(out, 1))
         self._in_flight.append(pending)
         return pending
@@ -247,7 +229,7 @@ class PipelineParallelGPT:
             self.link.wait_seconds += time.perf_counter() - start
             return self.link.recv((*pending.shape, self.full_cfg.d_model), self.dtype, self.device, self.size - 1)
         except RuntimeError as err:  # a peer's socket closed under us
-            raise RuntimeError(f"a pipeline stage has exited: {self._exit_codes()} ({err})") from None
+            raise RuntimeError(f"a pipeline stage has exited: {self.workers.exit_codes()} ({err})") from None
 
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                       cache: KVCache | None = None) -> torch.Tensor:
@@ -271,34 +253,20 @@ class PipelineParallelGPT:
         link = self.link
         ours = StageStats(0, self.layers[0], self.busy_seconds, link.wait_seconds if link else 0.0,
                           link.sends if link else 0, link.bytes_sent if link else 0, self.forwards)
-        self._send(("stats", None))
-        return [ours] + [conn.recv() for conn in self._conns]
+        self.workers.send(("stats", None))
+        return [ours] + [conn.recv() for conn in self.workers.conns]
 
     def reset_stats(self) -> None:
         self.busy_seconds, self.forwards = 0.0, 0
         if self.link is not None:
             self.link.reset()
-        self._send(("reset", None))
-
-    def _send(self, message: tuple) -> None:
-        if not self._finalizer.alive:
-            raise RuntimeError("this PipelineParallelGPT is closed")
-        data = dumps_step(message)
-        for conn, process in zip(self._conns, self._workers):
-            try:
-                conn.send_bytes(data)
-            except OSError:
-                process.join(timeout=1)
-                raise RuntimeError(f"pipeline stage {process.name} has exited (exit {process.exitcode})") from None
-
-    def _exit_codes(self) -> str:
-        return ", ".join(f"{p.name} exit {p.exitcode}" for p in self._workers)
+        self.workers.send(("reset", None))
 
     # -- lifetime
 
     def close(self) -> None:
         """Stop the workers and wait for them to exit (idempotent)."""
-        self._finalizer()
+        self.workers.close()
 
     def __enter__(self) -> PipelineParallelGPT:
         return self

@@ -118,7 +118,7 @@ def test_the_engine_with_two_ranks_generates_what_one_process_does(model):
         volume = allreduce_volume(TINY, 2)  # the counted all-reduces carry what the formula says
         assert tp.shard.allreduce.calls == volume.allreduces_per_layer * TINY.n_layers
         assert tp.shard.allreduce.bytes == tp.shard.allreduce.calls * x.shape[1] * volume.message_bytes
-        workers = tp._workers
+        workers = tp.workers.processes
     assert not any(w.is_alive() for w in workers)  # closing the LLM stopped them
 
 
@@ -138,7 +138,7 @@ def test_workers_exit_when_rank_0_dies():
         "from minillm.model import GPT\n"
         "from minillm.parallel_engine import TensorParallelGPT\n"
         "tp = TensorParallelGPT(GPT(get_preset('tiny')), 2)\n"
-        "print(tp._workers[0].pid, flush=True)\n"
+        "print(tp.workers.processes[0].pid, flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
