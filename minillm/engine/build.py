@@ -73,14 +73,12 @@ def build_engine(
 
         model = TensorParallelGPT(model.eval(), config.tensor_parallel_size)  # type: ignore[assignment]
     if config.pipeline_parallel_size > 1:  # stage 0 here, one worker process per later stage
-        from minillm.pipeline import check_pipeline_parallel_size
         from minillm.pipeline_engine import PipelineParallelGPT
 
-        try:
-            check_pipeline_parallel_size(model.cfg, config.pipeline_parallel_size)
+        try:  # a bad size is refused before any process starts
+            model = PipelineParallelGPT(model.eval(), config.pipeline_parallel_size)  # type: ignore[assignment]
         except ValueError as err:
             raise EngineOptionError("pipeline_parallel_size", str(err)) from None
-        model = PipelineParallelGPT(model.eval(), config.pipeline_parallel_size)  # type: ignore[assignment]
     try:
         return LLMEngine(model, config, tokenizer, speculator)
     except BaseException as err:
