@@ -60,11 +60,57 @@ def test_every_glued_number_the_prose_cites_is_in_the_committed_outputs(notebook
     """A figure a paragraph quotes through glue must have been recorded by the committed run: a
     name cited but never glued, or glued by code added after the outputs were committed, would
     render as a warning instead of the number."""
-    cells = json.loads(notebook.read_text())["cells"]
     cited = {m.group(1).split(":")[0] for text in markdown_cells(notebook) for m in GLUE_REFERENCE.finditer(text)}
-    recorded = {o["metadata"]["scrapbook"]["name"] for c in cells if c["cell_type"] == "code"
-                for o in c["outputs"] if "scrapbook" in o.get("metadata", {})}
+    recorded = recorded_glue(notebook)
     assert cited <= recorded, f"cited in the prose but not in the committed outputs: {sorted(cited - recorded)}"
+
+
+def recorded_glue(notebook: Path) -> set[str]:
+    """The names a notebook's committed outputs recorded with myst-nb's ``glue``."""
+    cells = json.loads(notebook.read_text())["cells"]
+    return {o["metadata"]["scrapbook"]["name"] for c in cells if c["cell_type"] == "code"
+            for o in c["outputs"] if "scrapbook" in o.get("metadata", {})}
+
+
+def test_every_figure_a_prose_page_cites_from_a_chapter_was_recorded_there():
+    """book/*.md pages quote chapters' figures with cross-document glue (``path.ipynb::name``):
+    the chapter's committed run must have recorded each name."""
+    missing = []
+    for page in sorted((ROOT / "book").glob("*.md")):
+        for m in GLUE_REFERENCE.finditer(page.read_text()):
+            doc, sep, key = m.group(1).partition("::")
+            if not sep:
+                missing.append(f"{page.name}: {m.group(1)!r} names no chapter (use path.ipynb::name)")
+                continue
+            notebook = (page.parent / doc).resolve()
+            if not notebook.is_file() or key.split(":")[0] not in recorded_glue(notebook):
+                missing.append(f"{page.name}: {m.group(1)}")
+    assert missing == []
+
+
+BANNER_LINE = re.compile(r"^\s*(device|torch|mode): (.*)$", re.MULTILINE)
+
+
+def banner(notebook: Path) -> dict[str, str]:
+    """The machine a chapter's committed run names in its first printed banner: device (less
+    its thread count, which a chapter may set), torch version and mode."""
+    cells = json.loads(notebook.read_text())["cells"]
+    for cell in cells:
+        text = "".join("".join(o.get("text", "")) for o in cell.get("outputs", []))
+        lines = dict(BANNER_LINE.findall(text))
+        if "device" in lines:
+            lines["device"] = re.sub(r" \(\d+ threads?\)", "", lines["device"])
+            return lines
+    return {}
+
+
+def test_every_chapter_ran_on_one_machine_at_full_size():
+    """The book is one measurement: every chapter's committed outputs come from the same machine
+    and torch, at full size (never QUICK)."""
+    banners = {notebook.name: banner(notebook) for notebook in NOTEBOOKS}
+    assert all(b.get("mode") == "full" for b in banners.values()), banners
+    machines = {(b.get("device"), b.get("torch")) for b in banners.values()}
+    assert len(machines) == 1, banners
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
