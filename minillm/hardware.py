@@ -101,12 +101,20 @@ class DeviceSpec:
 
 # Dense (no 2:4 sparsity) peaks; bf16/fp16 on data-centre GPUs are tensor-core figures.
 DEVICE_SPECS: dict[str, DeviceSpec] = {
+    # "fp16" and "fp32" are the CUDA cores' rate (the book's worked example, ridge 46.8);
+    # "fp16-tensor" is the tensor cores' dense rate beside it, for fp16 weights.
     "rtx4050-laptop": DeviceSpec(
-        "NVIDIA GeForce RTX 4050 Laptop GPU", 192e9, {"fp16": 8.986e12, "fp32": 8.986e12},
+        "NVIDIA GeForce RTX 4050 Laptop GPU", 192e9,
+        {"fp16": 8.986e12, "fp32": 8.986e12, "fp16-tensor": 20 * 512 * 1.755e9},
         "TechPowerUp GPU Database, GeForce RTX 4050 Mobile, "
-        "https://www.techpowerup.com/gpu-specs/geforce-rtx-4050-mobile.c3953",
-        "6 GB GDDR6, 96-bit at 16 Gbps; FP16 = FP32 on the 2,560 CUDA cores at the 1,755 MHz "
-        "reference boost (2 FLOP per core per clock); the tensor cores peak higher",
+        "https://www.techpowerup.com/gpu-specs/geforce-rtx-4050-mobile.c3953; tensor rate: NVIDIA Ada GPU "
+        "Architecture whitepaper (v2.01), RTX 4090 peak FP16 Tensor TFLOPS with FP32 accumulate, "
+        "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf",
+        "6 GB GDDR6, 96-bit at 16 Gbps. fp16 = fp32 = the 2,560 CUDA cores at the 1,755 MHz reference "
+        "boost (2 FLOP per core per clock), no tensor cores. fp16-tensor: dense fp16 matmul on the tensor "
+        "cores with fp32 accumulate (what PyTorch's cuBLAS calls use): the whitepaper's RTX 4090 figure, "
+        "165.2 TFLOP/s over 128 SMs at 2,520 MHz, is 512 FLOP per SM per clock; the 4050 Laptop's 20 SMs "
+        "at 1,755 MHz give 17.97 TFLOP/s (GeForce parts run fp16 accumulate at twice that, 35.9)",
     ),
     "a100-sxm-80gb": DeviceSpec(
         "NVIDIA A100 SXM 80GB", 2039e9, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},

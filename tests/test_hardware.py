@@ -31,10 +31,25 @@ def test_rtx4050_ridge_is_47_flop_per_byte():
     assert first_order_batch(spec.ridge("fp16"), "fp32") == pytest.approx(93.6, abs=0.2)
 
 
+def test_rtx4050_tensor_ridge_is_what_the_datasheets_imply():
+    spec = get_spec("rtx4050-laptop")
+    # the Ada whitepaper's RTX 4090: 165.2 TFLOP/s dense fp16 with fp32 accumulate, 128 SMs at 2,520 MHz
+    per_sm_per_clock = 165.2e12 / (128 * 2.520e9)
+    assert per_sm_per_clock == pytest.approx(512, rel=1e-3)
+    tensor = spec.flops["fp16-tensor"]
+    assert tensor == pytest.approx(20 * per_sm_per_clock * 1.755e9, rel=1e-3)  # 20 SMs at 1,755 MHz
+    assert tensor == pytest.approx(17.97e12, rel=1e-3)
+    assert spec.ridge("fp16-tensor") == pytest.approx(tensor / 192e9) == pytest.approx(93.6, abs=0.1)
+    # the CUDA-core figures keep their meaning: 2,560 cores x 2 FLOP x 1,755 MHz, ridge 46.8
+    assert spec.flops["fp16"] == spec.flops["fp32"] == pytest.approx(2560 * 2 * 1.755e9, rel=1e-3)
+    assert spec.ridge("fp16-tensor") == pytest.approx(2 * spec.ridge("fp16"), rel=1e-3)
+    assert "whitepaper" in spec.source and "fp32 accumulate" in spec.note
+
+
 def test_every_datasheet_names_its_source_and_dtypes():
     for key, spec in DEVICE_SPECS.items():
         assert "https://" in spec.source, key
-        assert spec.flops and set(spec.flops) <= set(DTYPES), key
+        assert spec.flops and set(spec.flops) <= set(DTYPES) | {"fp16-tensor"}, key
         assert 5e10 <= spec.bandwidth <= 1e13, key  # 50 GB/s .. 10 TB/s
         for dtype, peak in spec.flops.items():
             assert 1e12 <= peak <= 1e16, (key, dtype)
