@@ -20,8 +20,9 @@ rank's* slice (``n_heads / N`` heads, ``d_model / N`` wide), so every cache size
 ``model.cfg`` (chapter 6's ``ContiguousKVCache``, chapter 8's ``PagedKVPool``) takes 1/N of
 the memory per rank. That is half of why servers shard models: a model and a KV cache too
 big for one GPU fit on N. The other half is speed on GPUs joined by a fast link: each rank
-reads only 1/N of the block weights per step, and a memory-bound decode step shrinks with
-them, until the all-reduces' fixed latency, paid ``2 * n_layers`` times a step, dominates.
+reads only 1/N of the *block* weights per step (the replicated output matrix it reads
+whole: see :func:`weights_per_rank`), and a memory-bound decode step shrinks with them, until
+the all-reduces' fixed latency, paid ``2 * n_layers`` times a step, dominates.
 
 Public API (the chapter uses these):
 
@@ -31,6 +32,10 @@ Public API (the chapter uses these):
 - :func:`allreduce_volume` (cfg, N, dtype) -> :class:`AllReduceVolume`: bytes on the wire per
   token, per layer and per model, counting a ring all-reduce (each rank sends ``2 (N - 1) / N``
   times the ``d_model``-number message, twice per block).
+- :func:`weights_per_rank` (cfg, N, dtype, state=None) -> :class:`RankWeights`: the bytes of
+  weights one rank holds and reads per decode step, against the whole model. The blocks are
+  split 1/N, but the tied token table / output matrix is replicated, so for a model whose head
+  is large (the cpu preset's is 84% of it) each rank reads far more than 1/N.
 - :func:`shard_state_dict` (state, cfg, r, N) and :func:`shard_gpt` (model, r, N, group):
   rank r's weights, and rank r's model.
 - :class:`ShardedGPT`: one rank's model; the same ``hidden_states`` / ``logits`` /
@@ -51,7 +56,8 @@ Built on these, in modules of their own that import this one (never the other wa
 - :func:`minillm.parallel_measure.measure_decode_step` (model, N=2, batches=(1, 8), context=128, steps=20, threads=1)
   -> one dict per batch size: ``batch``, ``single_ms``, ``tp_ms``, ``allreduce_ms``,
   ``compute_ms``, ``allreduce_share``, ``allreduces_per_step``, ``allreduce_us_each``
-  (medians per decode step, gloo on CPU processes).
+  (medians per decode step, gloo on CPU processes), and the quartiles ``single_q1_ms``,
+  ``single_q3_ms``, ``tp_q1_ms``, ``tp_q3_ms`` of the two step times.
 """
 
 from __future__ import annotations
@@ -141,6 +147,77 @@ def allreduce_volume(cfg: ModelConfig, world_size: int, dtype: torch.dtype = tor
         sent_per_rank_per_layer=per_layer,
         sent_per_rank=cfg.n_layers * per_layer,
         sent_all_ranks=world_size * cfg.n_layers * per_layer,
+    )
+
+
+# ----------------------------------------------------------------------------- weights per rank
+
+
+@dataclass(frozen=True)
+class RankWeights:
+    """The bytes of weights one rank holds, and reads in one decode step, against the whole model.
+
+    Only the blocks' matrices (and their column-split biases) are divided among the ranks; the
+    token table, which is also the tied output matrix, the position table, the LayerNorms and
+    the row-split layers' biases are replicated whole on every rank. A decode step reads every
+    weight once, except the position table, of which it looks up one row per sequence (not
+    counted as read); the token table is read in full because it is the output matrix.
+    """
+
+    world_size: int
+    whole_bytes: int  # the unsplit model's weights (the tied matrix once)
+    rank_bytes: int  # what one rank holds
+    whole_read_bytes: int  # what the unsplit model reads per decode step
+    rank_read_bytes: int  # what one rank reads per decode step
+    replicated_bytes: int  # of rank_bytes, what every rank holds in full
+    embedding_bytes: int  # the tied token table / output matrix, replicated on every rank
+
+    @property
+    def held_share(self) -> float:
+        """One rank's weights as a share of the whole model's (1/N if everything were split)."""
+        return self.rank_bytes / self.whole_bytes
+
+    @property
+    def read_share(self) -> float:
+        """One rank's reads per decode step as a share of the whole model's."""
+        return self.rank_read_bytes / self.whole_read_bytes
+
+    @property
+    def read_share_vocab_parallel(self) -> float:
+        """:attr:`read_share` if the tied matrix were split by vocabulary rows as well
+        (Megatron-LM's vocab-parallel embedding and head): ``1/N`` of it per rank."""
+        split = self.embedding_bytes // self.world_size
+        return (self.rank_read_bytes - self.embedding_bytes + split) / self.whole_read_bytes
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def weights_per_rank(
+    cfg: ModelConfig, world_size: int, dtype: torch.dtype = torch.float32,
+    state: dict[str, torch.Tensor] | None = None,
+) -> RankWeights:
+    """Count, from :func:`shard_state_dict`'s real slices, the bytes of weights rank 0 of
+    ``world_size`` holds and reads per decode step (every rank holds the same amount).
+
+    ``state`` is a ``GPT`` state dict; without one, a ``GPT(cfg)`` in ``dtype`` is built on
+    PyTorch's ``meta`` device (shapes only, no memory), so any shape can be counted.
+    """
+    check_tensor_parallel_size(cfg, world_size)
+    if state is None:
+        with torch.device("meta"):
+            state = GPT(cfg).to(dtype).state_dict()
+    shard = shard_state_dict(state, cfg, 0, world_size)
+    unread = "pos_emb.weight"  # one row per sequence per step
+    return RankWeights(
+        world_size=world_size,
+        whole_bytes=_nbytes(state.values()),
+        rank_bytes=_nbytes(shard.values()),
+        whole_read_bytes=_nbytes(v for k, v in state.items() if k != unread),
+        rank_read_bytes=_nbytes(v for k, v in shard.items() if k != unread),
+        replicated_bytes=_nbytes(v for k, v in shard.items() if v.shape == state[k].shape),
+        embedding_bytes=_nbytes([state["tok_emb.weight"]]),
     )
 
 

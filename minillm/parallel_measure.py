@@ -73,9 +73,12 @@ def check_equivalence(
 # ----------------------------------------------------------------------------- timing
 
 
-def _time_decode(model: GPT | ShardedGPT, batch: int, context: int, steps: int) -> tuple[float, float]:
+def _time_decode(
+    model: GPT | ShardedGPT, batch: int, context: int, steps: int
+) -> tuple[float, float, float, float]:
     """Median seconds of one greedy decode step of ``batch`` sequences ``context`` tokens
-    long, and the median of those seconds spent in all-reduces (0 for an unsplit model)."""
+    long, the median of those seconds spent in all-reduces (0 for an unsplit model), and the
+    first and third quartiles of the step's seconds (the spread over the ``steps``)."""
     allreduce = getattr(model, "allreduce", None)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.cfg.vocab_size, (batch, context), generator=generator)
@@ -89,7 +92,8 @@ def _time_decode(model: GPT | ShardedGPT, batch: int, context: int, steps: int) 
             token = model.logits(model.hidden_states(token, positions, cache)[:, -1]).argmax(-1, keepdim=True)
             step_s.append(time.perf_counter() - start)
             reduce_s.append((allreduce.seconds if allreduce else 0.0) - before)
-    return statistics.median(step_s), statistics.median(reduce_s)
+    q1, _, q3 = statistics.quantiles(step_s, n=4) if len(step_s) > 1 else (step_s[0],) * 3
+    return statistics.median(step_s), statistics.median(reduce_s), q1, q3
 
 
 def _measure_rank(rank: int, world_size: int, port: int, cfg: ModelConfig, state: dict, batches: list[int],
@@ -116,7 +120,8 @@ def measure_decode_step(
     batch size; ``context`` tokens are prefilled first. One row per batch size, medians in
     milliseconds: ``single_ms``, ``tp_ms`` and its parts ``allreduce_ms`` and ``compute_ms``
     (rank 0's view: waiting for a slower rank counts as all-reduce time), ``allreduce_share``,
-    ``allreduces_per_step`` (``2 * n_layers``) and ``allreduce_us_each``. On a shared CPU the split cannot be faster than one process using
+    ``allreduces_per_step`` (``2 * n_layers``) and ``allreduce_us_each``, with the spread of
+    the steps: ``single_q1_ms`` / ``single_q3_ms`` and ``tp_q1_ms`` / ``tp_q3_ms``. On a shared CPU the split cannot be faster than one process using
     the same cores: it does the same arithmetic, plus the all-reduces."""
     check_tensor_parallel_size(model.cfg, world_size)
     if context + steps > model.cfg.context_length:
@@ -135,22 +140,24 @@ def measure_decode_step(
     )
     calls = 2 * model.cfg.n_layers
     rows = []
-    for b, one, (step, reduce) in zip(batches, single, results.get()):
+    for b, (one, _, one_q1, one_q3), (step, reduce, q1, q3) in zip(batches, single, results.get()):
         rows.append({"batch": b, "single_ms": 1e3 * one, "tp_ms": 1e3 * step, "allreduce_ms": 1e3 * reduce,
                      "compute_ms": 1e3 * (step - reduce), "allreduce_share": reduce / step,
-                     "allreduces_per_step": calls, "allreduce_us_each": 1e6 * reduce / calls})
+                     "allreduces_per_step": calls, "allreduce_us_each": 1e6 * reduce / calls,
+                     "single_q1_ms": 1e3 * one_q1, "single_q3_ms": 1e3 * one_q3,
+                     "tp_q1_ms": 1e3 * q1, "tp_q3_ms": 1e3 * q3})
     return rows
 
 
 def _time_unsplit(
     cfg: ModelConfig, state: dict, batches: tuple[int, ...], context: int, steps: int, threads: int
-) -> list[float]:
+) -> list[tuple[float, float, float, float]]:
     """The baseline, in this process: the whole model, float32 on the CPU, on ``threads`` threads."""
     model = GPT(cfg).eval()
     model.load_state_dict(state)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return [_time_decode(model, b, context, steps)[0] for b in batches]
+        return [_time_decode(model, b, context, steps) for b in batches]
     finally:
         torch.set_num_threads(previous)

@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from minillm.cli import UsageError
-from minillm.config import get_preset
+from minillm.config import ModelConfig, get_preset
 from minillm.engine import LLM, EngineConfig, SamplingParams
 from minillm.model import GPT
-from minillm.parallel import allreduce_volume, check_tensor_parallel_size, shard_config, shard_gpt, shard_state_dict
-from minillm.parallel_measure import check_equivalence
+from minillm.parallel import (
+    allreduce_volume, check_tensor_parallel_size, shard_config, shard_gpt, shard_state_dict, weights_per_rank,
+)
+from minillm.parallel_measure import check_equivalence, measure_decode_step
 
 TINY = get_preset("tiny")  # d_model 64, 4 heads, 2 layers
 # Sums in a different order (per rank, then across ranks) move float32 logits of size ~10 by
@@ -45,6 +47,47 @@ def test_allreduce_volume_matches_a_hand_count():
     # 384 bytes; 2 * 3/4 * 384 = 576 per all-reduce; 1152 per layer; 4608 per model; x4 ranks
     assert (four.message_bytes, four.sent_per_rank_per_layer, four.sent_per_rank, four.sent_all_ranks) == (384, 1152, 4608, 18432)
     assert allreduce_volume(cpu, 1).sent_all_ranks == 0
+
+
+def test_weights_per_rank_match_a_hand_count_for_the_cpu_preset():
+    cpu = get_preset("cpu")  # vocab 50257, context 256, d 192, 4 layers; fp32
+    d, v, ctx, L = 192, 50257, 256, 4
+    table, positions, ln_f = v * d, ctx * d, 2 * d
+    block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+    whole = table + positions + L * block + ln_f
+    assert whole == 11_478_336
+    for n in (2, 4):
+        # split: qkv, attn.proj's weight, fc, mlp.proj's weight; replicated: LayerNorms, row biases
+        block_rank = 2 * 2 * d + (3 * d * d + 3 * d) // n + d * d // n + d + (4 * d * d + 4 * d) // n + 4 * d * d // n + d
+        rank = table + positions + L * block_rank + ln_f
+        w = weights_per_rank(cpu, n)
+        assert (w.whole_bytes, w.rank_bytes) == (4 * whole, 4 * rank)
+        assert (w.whole_read_bytes, w.rank_read_bytes) == (4 * (whole - positions), 4 * (rank - positions))
+        assert w.embedding_bytes == 4 * table
+        assert w.replicated_bytes == 4 * (table + positions + L * (4 * d + 2 * d) + ln_f)
+    two, four = weights_per_rank(cpu, 2), weights_per_rank(cpu, 4)
+    assert 0.92 < two.read_share < 0.93 and 0.88 < four.read_share < 0.89  # far from 1/2 and 1/4
+    assert abs(two.read_share_vocab_parallel - 0.5) < 0.001  # the head split too: nearly 1/N
+    assert weights_per_rank(cpu, 1).read_share == 1.0
+    # a large shape, counted on the meta device: the head is a small share, so 1/N nearly holds
+    big = weights_per_rank(ModelConfig(d_model=8192, n_layers=80, n_heads=64), 8, torch.bfloat16)
+    assert big.whole_bytes > 1e11 and 0.125 < big.read_share < 0.132
+
+
+def test_weights_per_rank_count_what_a_real_shard_holds(model):
+    for n in (2, 4):
+        shard = shard_gpt(model, 1, n)  # no group: built, never run
+        held = sum(p.numel() * p.element_size() for p in shard.parameters())
+        assert weights_per_rank(TINY, n, state=model.state_dict()).rank_bytes == held
+
+
+def test_measure_decode_step_reports_medians_with_their_quartiles(model):
+    rows = measure_decode_step(model, world_size=2, batches=(1, 4), context=8, steps=6, threads=1)
+    assert [r["batch"] for r in rows] == [1, 4]
+    for r in rows:
+        assert 0 < r["single_q1_ms"] <= r["single_ms"] <= r["single_q3_ms"]
+        assert 0 < r["tp_q1_ms"] <= r["tp_ms"] <= r["tp_q3_ms"]
+        assert r["allreduces_per_step"] == 2 * TINY.n_layers and 0 <= r["allreduce_share"] <= 1
 
 
 def test_shards_have_the_right_shapes_and_tile_the_full_weights(model):
