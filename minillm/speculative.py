@@ -53,28 +53,43 @@ class Draft:
 
 @dataclass
 class SpeculativeStats:
-    """Counters over a run: how many target passes, how many drafted and accepted tokens."""
+    """Counters over a run: how many target passes, how many drafted and accepted tokens, and
+    how many rounds ended in a rejection (the rest accepted every token they drafted)."""
 
     target_passes: int = 0
     drafted: int = 0
     accepted: int = 0
     generated: int = 0
+    rejections: int = 0
 
     def record(self, drafted: int, accepted: int, emitted: int) -> None:
         self.target_passes += 1
         self.drafted += drafted
         self.accepted += accepted
         self.generated += emitted
+        self.rejections += accepted < drafted  # the round stopped at a rejected token
 
     def merge(self, other: SpeculativeStats) -> None:
         """Add another run's counters to these."""
-        for name in ("target_passes", "drafted", "accepted", "generated"):
+        for name in ("target_passes", "drafted", "accepted", "generated", "rejections"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     @property
     def acceptance_rate(self) -> float:
-        """Accepted draft tokens over drafted ones (0 when nothing was drafted)."""
+        """Accepted draft tokens over drafted ones (0 when nothing was drafted). Not Leviathan
+        et al.'s ``alpha``: a round stops at its first rejection, so the tokens after it are
+        drafted but never judged, and this ratio falls with ``k`` even when ``alpha`` does not."""
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def per_position_acceptance(self) -> float:
+        """The probability that a drafted token is accepted given that every earlier one in its
+        round was: accepted tokens over the tokens the target judged (accepted ones plus one
+        rejection per round that had one). Under the model of independent acceptances with
+        probability ``alpha`` this is the maximum-likelihood estimate of ``alpha`` (0 when
+        nothing was judged)."""
+        judged = self.accepted + self.rejections
+        return self.accepted / judged if judged else 0.0
 
     @property
     def tokens_per_pass(self) -> float:
@@ -83,7 +98,8 @@ class SpeculativeStats:
 
     def as_dict(self) -> dict:
         return {"target_passes": self.target_passes, "drafted": self.drafted, "accepted": self.accepted,
-                "generated": self.generated, "acceptance_rate": self.acceptance_rate,
+                "generated": self.generated, "rejections": self.rejections,
+                "acceptance_rate": self.acceptance_rate, "per_position_acceptance": self.per_position_acceptance,
                 "tokens_per_pass": self.tokens_per_pass}
 
 

@@ -204,5 +204,38 @@ def test_the_benchmark_measures_both_drafters_and_checks_outputs(target, draft) 
     rows = report["results"]
     assert [(r["drafter"], r["k"]) for r in rows] == [("draft model", 2), ("n-gram lookup", 2)]
     assert all(r["identical"] and r["speedup"] > 0 and 1 <= r["tokens_per_pass"] <= r["k"] + 1 for r in rows)
+    assert all(r["acceptance_rate"] <= r["per_position_acceptance"] <= 1 for r in rows)
     (row,) = batched_verify_cost(target, [2], k=3, context=8, repeats=1)
     assert row["batch"] == 2 and row["ratio"] == row["verify_s"] / row["step_s"]
+    assert row["step_quartiles_s"] == [row["step_s"]] * 2  # one repeat: no spread
+
+
+def test_per_position_acceptance_recovers_alpha_and_predicts_tokens_per_pass() -> None:
+    """Rounds simulated under Leviathan et al.'s model (each drafted token accepted with
+    probability alpha once the earlier ones were): the per-position estimate recovers alpha at
+    every k, and the formula fed with it predicts the simulated tokens per pass. Accepted over
+    drafted falls with k and, fed to the formula, predicts too few tokens (truncation counted twice)."""
+    import random
+
+    from minillm.bench.speculative import expected_speedup, expected_tokens_per_pass
+    from minillm.speculative import SpeculativeStats
+
+    rng = random.Random(0)
+    alpha = 0.7
+    for k in (1, 2, 4, 8):
+        stats = SpeculativeStats()
+        for _ in range(20000):
+            n = next((i for i in range(k) if rng.random() >= alpha), k)
+            stats.record(k, n, n + 1)
+        assert stats.per_position_acceptance == pytest.approx(alpha, abs=0.01)
+        assert expected_tokens_per_pass(stats.per_position_acceptance, k) == pytest.approx(stats.tokens_per_pass, rel=0.02)
+        if k >= 4:  # the old estimate: 0.51 at k = 4, predicting 1.9 tokens per pass where 2.8 come
+            assert stats.acceptance_rate < alpha - 0.15
+            assert expected_tokens_per_pass(stats.acceptance_rate, k) < 0.8 * stats.tokens_per_pass
+    assert expected_speedup(alpha, 4, 0.0) == pytest.approx(expected_tokens_per_pass(alpha, 4))
+    full = SpeculativeStats()
+    full.record(3, 3, 4)  # every token accepted: no rejection counted, alpha estimated 1
+    assert (full.rejections, full.per_position_acceptance) == (0, 1.0)
+    full.record(3, 0, 1)
+    assert (full.rejections, full.per_position_acceptance) == (1, 0.75)
+    assert SpeculativeStats().per_position_acceptance == 0.0

@@ -7,9 +7,14 @@ that a busy neighbour slows every variant alike; speedups are ratios of medians.
 output with speculation must equal the output without it, and the report says whether it did.
 
 The per-step costs explain the speedups: a target step over one token, over ``k + 1`` tokens
-(verification), and a draft step. With acceptance rate ``alpha`` and cost ratio ``c`` (a draft
-step over a target step), Leviathan et al. (2023) expect a speedup of
-``(1 - alpha^(k+1)) / ((1 - alpha) * (k * c + 1))`` when verification costs one target step.
+(verification), and a draft step. With per-position acceptance ``alpha`` (the probability that a
+drafted token is accepted given that the earlier ones in its round were) and cost ratio ``c`` (a
+draft step over a target step), Leviathan et al. (2023) expect ``(1 - alpha^(k+1)) / (1 - alpha)``
+tokens per target pass and a speedup of ``(1 - alpha^(k+1)) / ((1 - alpha) * (k * c + 1))`` when
+verification costs one target step. ``alpha`` is estimated from the counts as accepted tokens
+over judged ones (:attr:`~minillm.speculative.SpeculativeStats.per_position_acceptance`), not as
+accepted over drafted: that ratio also counts the tokens after a round's first rejection, which
+the target never judged, so it falls with ``k`` and would count the truncation twice.
 """
 
 from __future__ import annotations
@@ -65,11 +70,17 @@ def out_of_domain_prompts(n: int, length: int) -> list[list[int]]:
     return [[tok.eot, *tok.encode(text)[:length]] for text in OUT_OF_DOMAIN[:n]]
 
 
+def expected_tokens_per_pass(alpha: float, k: int) -> float:
+    """Leviathan et al.'s expected tokens per target pass, ``1 + alpha + ... + alpha^k``, when a
+    round drafts ``k`` tokens and each is accepted with probability ``alpha`` given that the
+    earlier ones were (``alpha`` per position, not accepted over drafted)."""
+    return k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
 def expected_speedup(alpha: float, k: int, c: float) -> float:
-    """Leviathan et al.'s expected speedup: tokens per round over the round's cost in target
-    steps, assuming each draft token is accepted independently with probability ``alpha``."""
-    tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens / (k * c + 1)
+    """Leviathan et al.'s expected speedup: :func:`expected_tokens_per_pass` over the round's
+    cost in target steps, ``k * c + 1``, when verification costs one target step."""
+    return expected_tokens_per_pass(alpha, k) / (k * c + 1)
 
 
 def predicted_speedup(row: dict, costs: dict, drafter_step_s: float) -> float:
@@ -104,9 +115,20 @@ def step_costs(target: GPT, draft: GPT, ks: list[int], context: int = 64, repeat
         return step
 
     variants = {"target": stepper(target, 1), "draft": stepper(draft, 1), **{k: stepper(target, k + 1) for k in ks}}
-    median = _interleaved_medians(variants, device, repeats)
+    times = _interleaved_times(variants, device, repeats)
+    median = {name: statistics.median(t) for name, t in times.items()}
     return {"context": context, "target_step_s": median["target"], "draft_step_s": median["draft"],
-            "verify_s": {k: median[k] for k in ks}}
+            "verify_s": {k: median[k] for k in ks},
+            "quartiles_s": {"target": _quartiles(times["target"]), "draft": _quartiles(times["draft"]),
+                            **{k: _quartiles(times[k]) for k in ks}}}
+
+
+def _quartiles(times: list[float]) -> list[float]:
+    """The first and third quartiles of ``times``: the spread around their median."""
+    if len(times) < 2:
+        return [times[0], times[0]]
+    q = statistics.quantiles(times, n=4, method="inclusive")
+    return [q[0], q[2]]
 
 
 @torch.no_grad()
@@ -131,20 +153,21 @@ def batched_verify_cost(target: GPT, batch_sizes: list[int], k: int, context: in
 
             return run
 
-        times = _interleaved_medians({"one": step(1), "verify": step(k + 1)}, device, repeats)
-        one, verify = times["one"], times["verify"]
-        rows.append({"batch": b, "step_s": one, "verify_s": verify, "ratio": verify / one})
+        times = _interleaved_times({"one": step(1), "verify": step(k + 1)}, device, repeats)
+        one, verify = statistics.median(times["one"]), statistics.median(times["verify"])
+        rows.append({"batch": b, "step_s": one, "verify_s": verify, "ratio": verify / one,
+                     "step_quartiles_s": _quartiles(times["one"]), "verify_quartiles_s": _quartiles(times["verify"])})
     return rows
 
 
-def _interleaved_medians(variants: dict, device: torch.device, repeats: int) -> dict:
-    """Each variant's median seconds over ``repeats`` rounds, every variant timed once a round
+def _interleaved_times(variants: dict, device: torch.device, repeats: int) -> dict:
+    """Each variant's seconds in each of ``repeats`` rounds, every variant timed once a round
     (after one untimed warm-up each), so a busy neighbour slows them alike."""
     times: dict = {name: [] for name in variants}
     for _ in range(repeats):
         for name, fn in variants.items():
             times[name].append(median_seconds(fn, device, repeats=1, warmup=1 if not times[name] else 0))
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 def measure(
@@ -179,13 +202,14 @@ def measure(
         seconds = {v: sum(statistics.median(t) for t in per_prompt) for v, per_prompt in times.items()}
         for (name, k), s in stats.items():
             results.append({"text": text, "drafter": name, "k": k, "acceptance_rate": s.acceptance_rate,
+                            "per_position_acceptance": s.per_position_acceptance,
                             "tokens_per_pass": s.tokens_per_pass, "drafted_per_pass": s.drafted / s.target_passes,
                             "seconds": seconds[name, k], "plain_seconds": seconds[None],
                             "speedup": seconds[None] / seconds[name, k],
                             "identical": outputs[name, k] == outputs[None]})
             if progress:
                 r = results[-1]
-                print(f"  {text:<13} {name:<14} k={k}  accept {r['acceptance_rate']:.2f}  "
+                print(f"  {text:<13} {name:<14} k={k}  accept {r['acceptance_rate']:.2f} (alpha {r['per_position_acceptance']:.2f})  "
                       f"{r['tokens_per_pass']:.2f} tok/pass  speedup {r['speedup']:.2f}x", flush=True)
     return {"results": results}
 
@@ -211,13 +235,15 @@ def run(target: GPT, draft: GPT, *, num_prompts: int, prompt_len: int, max_new: 
     report["cost_ratio"] = c
     for r in report["results"]:
         model_drafter = r["drafter"] == "draft model"
-        r["expected_speedup"] = expected_speedup(r["acceptance_rate"], r["k"], c if model_drafter else 0.0)
+        alpha = r["per_position_acceptance"]  # Leviathan et al.'s alpha, not accepted / drafted
+        r["expected_tokens_per_pass"] = expected_tokens_per_pass(alpha, r["k"])
+        r["expected_speedup"] = expected_speedup(alpha, r["k"], c if model_drafter else 0.0)
         r["predicted_speedup"] = predicted_speedup(r, report["costs"], report["costs"]["draft_step_s"] if model_drafter else 0.0)
     return report
 
 
 def plot(report: dict, path) -> None:
-    """Speedup and acceptance against k: one line per (drafter, text)."""
+    """Speedup and per-position acceptance against k: one line per (drafter, text)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -239,10 +265,10 @@ def figure(report: dict, plt):
             ks = [r["k"] for r in rows]
             label = f"{drafter}, {text}"
             left.plot(ks, [r["speedup"] for r in rows], styles[text], color=colors[drafter], marker="o", label=label)
-            right.plot(ks, [r["acceptance_rate"] for r in rows], styles[text], color=colors[drafter], marker="o", label=label)
+            right.plot(ks, [r["per_position_acceptance"] for r in rows], styles[text], color=colors[drafter], marker="o", label=label)
     left.axhline(1.0, color="gray", lw=0.8)
     left.set(xlabel="draft tokens per step k", ylabel="speedup vs target alone", title="speedup (greedy, batch 1)")
-    right.set(xlabel="draft tokens per step k", ylabel="acceptance rate", title="accepted / drafted", ylim=(0, 1.05))
+    right.set(xlabel="draft tokens per step k", ylabel="alpha", title="per-position acceptance alpha", ylim=(0, 1.05))
     right.legend(fontsize=8)
     fig.suptitle(report["device"], fontsize=9)
     fig.tight_layout()
