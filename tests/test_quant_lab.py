@@ -145,6 +145,9 @@ def test_smoke_lab_measures_every_format(trained, home, tmp_path, monkeypatch) -
     for r in rows.values():
         assert r["rss_peak"] >= r["rss_loaded"] > r["rss_before"] > 0
         assert r["ttft_s"] > 0 and r["decode_b1"] > 0 and r["decode_wide"] > 0
+        for key in ("ttft_s", "decode_b1", "decode_wide"):  # each median lies within its quartiles
+            low, high = r[f"{key}_iqr"]
+            assert low <= r[key] <= high
         assert r["fraction_of_roofline"] == pytest.approx(r["decode_b1"] / r["roofline_b1"])
     # fewer bytes per step raise the bound in proportion (the KV bytes shrink with the float parts)
     assert rows["int4"]["bound_gain"] > rows["int8"]["bound_gain"] > rows["bf16"]["bound_gain"] > 1.5

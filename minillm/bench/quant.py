@@ -192,8 +192,20 @@ def measure_speed(models: dict[str, GPT], settings: LabSettings) -> dict[str, di
             samples[fmt]["ttft"].append(probe.ttft())
             samples[fmt]["b1"] += [probe.decode(1) for _ in range(settings.b1_steps_per_round)]
             samples[fmt]["wide"].append(probe.decode(settings.wide_batch))
-    return {fmt: {"ttft_s": float(np.median(s["ttft"])), "decode_b1": 1 / float(np.median(s["b1"])),
-                  "decode_wide": settings.wide_batch / float(np.median(s["wide"]))} for fmt, s in samples.items()}
+    return {fmt: _medians_and_quartiles(s, settings.wide_batch) for fmt, s in samples.items()}
+
+
+def _medians_and_quartiles(samples: dict[str, list[float]], wide_batch: int) -> dict[str, float | list[float]]:
+    """One format's figures: the median TTFT and decode rates, each with its quartiles (``*_iqr``,
+    low to high), so a table can show how far the rounds spread. A rate's low quartile comes from
+    the step time's high one."""
+    ttft = np.percentile(samples["ttft"], [25, 50, 75])
+    b1 = np.percentile(samples["b1"], [75, 50, 25])
+    wide = np.percentile(samples["wide"], [75, 50, 25])
+    return {"ttft_s": float(ttft[1]), "ttft_s_iqr": [float(ttft[0]), float(ttft[2])],
+            "decode_b1": 1 / float(b1[1]), "decode_b1_iqr": [1 / float(b1[0]), 1 / float(b1[2])],
+            "decode_wide": wide_batch / float(wide[1]),
+            "decode_wide_iqr": [wide_batch / float(wide[0]), wide_batch / float(wide[2])]}
 
 
 def kv_bytes_per_step(model: GPT, context: int) -> int:
@@ -281,10 +293,19 @@ def table_rows(report: dict) -> list[list[str]]:
     return out
 
 
+def _spread(row: dict, key: str, scale: float, fmt: str) -> str:
+    """A figure's quartiles as 'q1..q3', or 'one round' for a report saved before they were kept."""
+    if f"{key}_iqr" not in row:
+        return "one round"
+    low, high = row[f"{key}_iqr"]
+    return f"{low * scale:{fmt}}..{high * scale:{fmt}}"
+
+
 def format_row(row: dict) -> str:
     return (f"  {row['format']:<5} {row['weight_bytes'] / 1e6:6.1f} MB  load {row['load_s']:.2f} s  "
-            f"TTFT {row['ttft_s'] * 1e3:6.1f} ms  decode {row['decode_b1']:6.0f} tok/s (b=1) "
-            f"{row['decode_wide']:7.0f} tok/s (wide)  ppl {row['val_ppl']:.3f}  agree {row['agreement']:.0%}  "
+            f"TTFT {row['ttft_s'] * 1e3:6.1f} ms ({_spread(row, 'ttft_s', 1e3, '.1f')})  "
+            f"decode {row['decode_b1']:6.0f} tok/s ({_spread(row, 'decode_b1', 1, '.0f')}, b=1) "
+            f"{row['decode_wide']:7.0f} tok/s ({_spread(row, 'decode_wide', 1, '.0f')}, wide)  ppl {row['val_ppl']:.3f}  agree {row['agreement']:.0%}  "
             f"[{', '.join(row['kernels']) or 'dense matmul'}]")
 
 
