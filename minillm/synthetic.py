@@ -15,6 +15,7 @@ her red ball is the one who finds it), not memorise a few texts.
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -333,6 +334,18 @@ def story(rng: random.Random) -> str:
         paragraphs.append(" ".join(sentences[i:i + n]))
         i += n
     return "\n\n".join(paragraphs)
+
+
+_NAME = re.compile(r"\b(" + "|".join(GIRLS + BOYS) + r")\b")
+
+
+def story_names(text: str) -> list[str]:
+    """Every mention of a child's or an animal's name in ``text``, in order (names from
+    :data:`GIRLS` and :data:`BOYS`; grown-ups are not counted, so "Aunt May" is not May).
+    A story of this generator names its hero first and a friend after."""
+    for grownup in GROWNUPS:
+        text = text.replace(grownup, "")
+    return _NAME.findall(text)
 
 
 def generate_stories(n: int, seed: int = 0) -> Iterator[str]:

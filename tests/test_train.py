@@ -223,3 +223,23 @@ def test_auto_trains_a_cpu_in_bf16_only_where_it_measures_faster(monkeypatch, ha
         assert T.autocast_dtype(TrainConfig(dtype="bfloat16"), torch.device("cpu")) == torch.bfloat16
     finally:
         T.cpu_bf16_pays.cache_clear()
+
+
+@pytest.mark.parametrize("dtype, peak_name", [("float32", "fp32"), ("bfloat16", "bf16")])
+def test_the_bar_s_mfu_divides_by_the_peak_of_the_dtype_the_matmuls_run_in(home, monkeypatch, capsys, dtype, peak_name) -> None:
+    import minillm.train as T
+    from minillm.model import training_flops_per_token
+
+    # Peaks far apart, so dividing by the other dtype's would be off by 4x.
+    peaks = {torch.float32: 100e9, torch.bfloat16: 400e9}
+    monkeypatch.setattr(T, "measure_matmul_flops", lambda device, dtype=torch.float32, n=2048: peaks[dtype])
+    cfg = TrainConfig(**{**SMALL, "dtype": dtype, "progress": True}, max_steps=2, eval_every=2, out=str(home / dtype))
+    train(cfg)
+    run_cfg, model_cfg = resolve(cfg)
+    per_token = training_flops_per_token(model_cfg, run_cfg.seq_len)
+    peak = peaks[getattr(torch, dtype)]
+    for h in load_state(home / dtype)["history"]:
+        assert h["mfu"] == pytest.approx(h["tok_s"] * per_token / peak, rel=1e-9)
+    out, err = capsys.readouterr()
+    assert f"measured {peak_name} matmul peak ({peak / 1e9:,.0f} GFLOP/s)" in out
+    assert f"of {peak_name} peak" in err

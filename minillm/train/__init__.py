@@ -269,11 +269,13 @@ def _train(cfg: TrainConfig, device: torch.device, dist: Dist) -> dict:
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * dist.world_size
     flops_per_step = training_flops_per_token(model_cfg, cfg.seq_len) * tokens_per_step
     # MFU's denominator: the measured matmul peak of the dtype the step's matrix products use
+    # (fp32 without autocast, the autocast dtype under it), and the bar names it beside every figure
     matmul_dtype = amp_dtype or torch.float32
     peak = measure_matmul_flops(device, matmul_dtype) * dist.world_size
+    peak_name = _SHORT_DTYPE[matmul_dtype]
     bar = _progress(cfg, dist, step)
     if bar is not None:
-        bar.write(f"mfu = model FLOPs per second / this machine's measured {str(matmul_dtype).removeprefix('torch.')} "
+        bar.write(f"mfu = model FLOPs per second / this machine's measured {peak_name} "
                   f"matmul peak ({peak / 1e9:,.0f} GFLOP/s)")
     last = {}
     model.train()
@@ -289,7 +291,7 @@ def _train(cfg: TrainConfig, device: torch.device, dist: Dist) -> dict:
                 "tokens": step * tokens_per_step, "tok_s": tokens_per_step / elapsed, "mfu": flops_per_step / elapsed / peak}
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{last['tok_s']:,.0f}", mfu=f"{last['mfu']:.0%}")
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{last['tok_s']:,.0f}", mfu=f"{last['mfu']:.0%} of {peak_name} peak")
         checkpoint_now = step % cfg.eval_every == 0 or step == stop
         if checkpoint_now:
             if dist.main:
@@ -387,6 +389,9 @@ def measure_throughput(
             torch.cuda.synchronize(device)
         times.append(clock() - start)
     return batch_size * seq_len / statistics.median(times[1:])
+
+
+_SHORT_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def _progress(cfg: TrainConfig, dist: Dist, step: int):
