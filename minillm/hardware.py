@@ -291,9 +291,24 @@ def measure_machine(
     sizes = (512, 1024) if small else ((4096, 8192) if device.type == "cuda" else (1024, 2048))
     repeats = 3 if small else 5
     bandwidths = {m: measure_bandwidth(device, m, nbytes, repeats) for m in BANDWIDTH_METHODS}
-    flops = {d: max(measure_matmul_flops(device, DTYPES[d], n, repeats) for n in sizes)
-             for d in dtypes if _runs_matmul(device, DTYPES[d])}
+    flops = {d: matmul_peak(device, DTYPES[d], sizes, repeats) for d in dtypes if _runs_matmul(device, DTYPES[d])}
     return MachineProfile(str(device), device_name(device), bandwidths, flops, nbytes, sizes, repeats)
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, sizes: Sequence[int], repeats: int,
+                max_product_seconds: float = 1.0) -> float:
+    """The best matmul FLOP/s over ``sizes`` (ascending), skipping a larger size whose one product
+    would take over ``max_product_seconds`` at the rate measured so far.
+
+    A dtype the CPU has no instructions for (bf16 or fp16 without AVX-512 BF16/FP16 or AMX) runs
+    on a plain reference loop at one or two GFLOP/s: its 2048-sized product takes minutes and
+    cannot show a higher peak than the smaller one did, so it is not worth the wait."""
+    best, done = 0.0, None
+    for n in sizes:
+        if done is not None and 2 * n**3 / best > max_product_seconds:
+            break
+        best, done = max(best, measure_matmul_flops(device, dtype, n, repeats)), n
+    return best
 
 
 def format_rate(value: float, unit: str) -> str:

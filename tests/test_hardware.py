@@ -147,3 +147,18 @@ def test_cli_errors_are_one_line(capsys, argv, message):
     assert exit.value.code == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_matmul_peak_skips_a_size_an_emulated_dtype_would_take_minutes_on(monkeypatch):
+    """A fast dtype is timed at every size and keeps the best; a slow one (a reference loop at
+    1 GFLOP/s) stops before the product that would take 17 s."""
+    timed = []
+
+    def fake(device, dtype, n, repeats):
+        timed.append((dtype, n))
+        return {torch.float32: {1024: 80e9, 2048: 100e9}, torch.bfloat16: {1024: 1e9, 2048: 1e9}}[dtype][n]
+
+    monkeypatch.setattr(hardware, "measure_matmul_flops", fake)
+    assert hardware.matmul_peak(torch.device("cpu"), torch.float32, (1024, 2048), 5) == 100e9
+    assert hardware.matmul_peak(torch.device("cpu"), torch.bfloat16, (1024, 2048), 5) == 1e9
+    assert timed == [(torch.float32, 1024), (torch.float32, 2048), (torch.bfloat16, 1024)]
