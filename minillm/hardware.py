@@ -210,11 +210,16 @@ def measure_matmul_flops(
     device: torch.device | str | None = None, dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 5
 ) -> float:
     """Dense matmul throughput in FLOP/s: the median of ``repeats`` timed ``n x n`` products
-    (``2 n^3`` FLOPs each: a multiply and an add per term), after a warm-up."""
+    (``2 n^3`` FLOPs each: a multiply and an add per term), after a warm-up.
+
+    The second matrix is used transposed, as ``nn.Linear`` uses its weight, because that is the
+    product every layer of the model runs: on a CPU without bf16/fp16 instructions PyTorch sends
+    that layout to oneDNN and a plain ``a @ b`` to a reference loop about eight times slower, so
+    the plain product would set a roof the model's own steps pass through."""
     device = _resolve(device)
     a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    return 2 * n**3 / median_seconds(lambda: a @ b, device, repeats)
+    weight = torch.randn(n, n, device=device).to(dtype)
+    return 2 * n**3 / median_seconds(lambda: a @ weight.T, device, repeats)
 
 
 def _runs_matmul(device: torch.device, dtype: torch.dtype) -> bool:
