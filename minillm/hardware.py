@@ -293,23 +293,34 @@ def measure_machine(
     device = _resolve(device)
     small = quick() if small is None else small
     nbytes = 2**26 if small else 2**30
-    sizes = (512, 1024) if small else ((4096, 8192) if device.type == "cuda" else (1024, 2048))
+    sizes = matmul_sizes(device, small)
     repeats = 3 if small else 5
     bandwidths = {m: measure_bandwidth(device, m, nbytes, repeats) for m in BANDWIDTH_METHODS}
     flops = {d: matmul_peak(device, DTYPES[d], sizes, repeats) for d in dtypes if _runs_matmul(device, DTYPES[d])}
     return MachineProfile(str(device), device_name(device), bandwidths, flops, nbytes, sizes, repeats)
 
 
-def matmul_peak(device: torch.device, dtype: torch.dtype, sizes: Sequence[int], repeats: int,
-                max_product_seconds: float = 1.0) -> float:
-    """The best matmul FLOP/s over ``sizes`` (ascending), skipping a larger size whose one product
-    would take over ``max_product_seconds`` at the rate measured so far.
+def matmul_sizes(device: torch.device, small: bool = False) -> tuple[int, int]:
+    """The two square sizes a matmul peak is measured at: large enough to keep the device's
+    arithmetic busy, small enough to take seconds."""
+    return (512, 1024) if small else ((4096, 8192) if device.type == "cuda" else (1024, 2048))
 
-    A dtype the CPU has no instructions for (bf16 or fp16 without AVX-512 BF16/FP16 or AMX) runs
-    on a plain reference loop at one or two GFLOP/s: its 2048-sized product takes minutes and
-    cannot show a higher peak than the smaller one did, so it is not worth the wait."""
+
+def matmul_peak(device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
+                sizes: Sequence[int] | None = None, repeats: int = 5, max_product_seconds: float = 1.0) -> float:
+    """This device's matmul peak in ``dtype``: what chapter 1's roof and training's MFU divide by.
+
+    The best FLOP/s over ``sizes`` (ascending; default ``matmul_sizes``), because libraries tile
+    sizes differently and either can be faster, and because a best-of is robust to another
+    program briefly sharing the cores where one median is not. A larger size is skipped when one
+    product of it would take over ``max_product_seconds`` at the rate measured so far.
+
+    A dtype the CPU has no instructions for (bf16 or fp16 without AVX-512 BF16/FP16 or AMX) is
+    converted on the fly at a few GFLOP/s or less: its larger product would take many seconds
+    and cannot show a higher peak than the smaller one did, so it is not worth the wait."""
+    device = _resolve(device)
     best, done = 0.0, None
-    for n in sizes:
+    for n in sizes or matmul_sizes(device):
         if done is not None and 2 * n**3 / best > max_product_seconds:
             break
         best, done = max(best, measure_matmul_flops(device, dtype, n, repeats)), n

@@ -232,7 +232,7 @@ def test_the_bar_s_mfu_divides_by_the_peak_of_the_dtype_the_matmuls_run_in(home,
 
     # Peaks far apart, so dividing by the other dtype's would be off by 4x.
     peaks = {torch.float32: 100e9, torch.bfloat16: 400e9}
-    monkeypatch.setattr(T, "measure_matmul_flops", lambda device, dtype=torch.float32, n=2048: peaks[dtype])
+    monkeypatch.setattr(T, "matmul_peak", lambda device, dtype=torch.float32: peaks[dtype])
     cfg = TrainConfig(**{**SMALL, "dtype": dtype, "progress": True}, max_steps=2, eval_every=2, out=str(home / dtype))
     train(cfg)
     run_cfg, model_cfg = resolve(cfg)

@@ -31,7 +31,7 @@ from minillm.checkpoint import CHECKPOINT_NAME, load_model, load_state, preset_d
 from minillm.config import ModelConfig, get_preset
 from minillm.data import BatchSampler, Corpus, prepare_corpus
 from minillm.generate import generate_naive
-from minillm.hardware import default_device, measure_matmul_flops
+from minillm.hardware import default_device, matmul_peak, measure_matmul_flops
 from minillm.model import GPT, training_flops_per_token
 from minillm.settings import quick
 from minillm.tokenizer import get_tokenizer
@@ -271,7 +271,7 @@ def _train(cfg: TrainConfig, device: torch.device, dist: Dist) -> dict:
     # MFU's denominator: the measured matmul peak of the dtype the step's matrix products use
     # (fp32 without autocast, the autocast dtype under it), and the bar names it beside every figure
     matmul_dtype = amp_dtype or torch.float32
-    peak = measure_matmul_flops(device, matmul_dtype) * dist.world_size
+    peak = matmul_peak(device, matmul_dtype) * dist.world_size
     peak_name = _SHORT_DTYPE[matmul_dtype]
     bar = _progress(cfg, dist, step)
     if bar is not None:
