@@ -81,8 +81,17 @@ def test_a_stream_nobody_reads_is_cut_and_its_blocks_freed(model: GPT, monkeypat
     stream is cut after ``--client-timeout`` and the request aborted.
 
     Loopback's send buffer grows to 4 MiB, more than this tiny model streams in the test's
-    time, so the server's side of the socket is pinned small, as on a slow link."""
+    time, so the server's side of the socket is pinned small, as on a slow link. The tiny model's
+    steps are slowed to a larger model's pace: on a fast machine it finished all 100 tokens of
+    every choice before the cut, and nothing was left to abort."""
     engine = LLMEngine(model, EngineConfig(num_blocks=256, block_size=8, max_num_seqs=16), get_tokenizer())
+    step = engine.step
+
+    def large_model_step():  # at least 4 s for the 100 steps on any machine; the cut comes in about 1.5
+        time.sleep(0.04)
+        return step()
+
+    engine.step = large_model_step
     write = server.app.write_within
 
     async def small_buffer_write(request, response, data, timeout):
