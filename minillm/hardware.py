@@ -160,11 +160,28 @@ def synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1, *,
-                   clock: Callable[[], float] = time.perf_counter) -> float:
-    """The median wall time of ``fn()`` over ``repeats`` runs, after ``warmup`` untimed ones
-    (which pay for kernel selection, page faults and cold caches). The median ignores the odd
-    run that another process interrupted. (``clock`` lets a test time ``fn`` on a fake clock.)"""
+@dataclass(frozen=True)
+class Timing:
+    """Seconds over repeated runs: the median, and the first and third quartiles as the spread
+    a timing figure carries (inclusive quartiles, so they stay within the fastest and slowest run)."""
+
+    median: float
+    q1: float
+    q3: float
+
+    @classmethod
+    def of(cls, seconds: Sequence[float]) -> Timing:
+        if len(seconds) < 2:
+            return cls(seconds[0], seconds[0], seconds[0])
+        q1, median, q3 = statistics.quantiles(seconds, n=4, method="inclusive")
+        return cls(median, q1, q3)
+
+
+def time_repeats(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1, *,
+                 clock: Callable[[], float] = time.perf_counter) -> Timing:
+    """The wall time of ``fn()`` over ``repeats`` runs, after ``warmup`` untimed ones (which pay
+    for kernel selection, page faults and cold caches). Its median ignores the odd run that
+    another process interrupted. (``clock`` lets a test time ``fn`` on a fake clock.)"""
     for _ in range(warmup):
         fn()
     synchronize(device)
@@ -174,7 +191,13 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int,
         fn()
         synchronize(device)
         times.append(clock() - start)
-    return statistics.median(times)
+    return Timing.of(times)
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1, *,
+                   clock: Callable[[], float] = time.perf_counter) -> float:
+    """The median of :func:`time_repeats`, where only the median is wanted."""
+    return time_repeats(fn, device, repeats, warmup, clock=clock).median
 
 
 def _resolve(device: torch.device | str | None) -> torch.device:

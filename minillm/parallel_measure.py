@@ -18,6 +18,7 @@ from minillm.config import ModelConfig
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
 from minillm.generate import ContiguousKVCache, generate_kv_cache
+from minillm.hardware import Timing
 from minillm.model import GPT
 from minillm.parallel import ShardedGPT, check_tensor_parallel_size, make_group, rendezvous, shard_state_dict
 from minillm.parallel_engine import TensorParallelGPT
@@ -92,8 +93,8 @@ def _time_decode(
             token = model.logits(model.hidden_states(token, positions, cache)[:, -1]).argmax(-1, keepdim=True)
             step_s.append(time.perf_counter() - start)
             reduce_s.append((allreduce.seconds if allreduce else 0.0) - before)
-    q1, _, q3 = statistics.quantiles(step_s, n=4) if len(step_s) > 1 else (step_s[0],) * 3
-    return statistics.median(step_s), statistics.median(reduce_s), q1, q3
+    step = Timing.of(step_s)
+    return step.median, statistics.median(reduce_s), step.q1, step.q3
 
 
 def _measure_rank(rank: int, world_size: int, port: int, cfg: ModelConfig, state: dict, batches: list[int],

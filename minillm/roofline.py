@@ -30,8 +30,9 @@ from minillm.hardware import (
     dtype_bytes,
     dtype_name,
     format_rate,
+    Timing,
     measure_bandwidth,
-    median_seconds,
+    time_repeats,
 )
 from minillm.model import GPT, count_parameters, inference_flops_per_token
 from minillm.settings import quick
@@ -124,7 +125,8 @@ class DecodePoint:
     dtype: str
     cost: StepCost
     predicted_seconds: float
-    measured_seconds: float | None = None
+    measured_seconds: float | None = None  # the median of the timed runs
+    measured_quartiles: tuple[float, float] | None = None  # their first and third quartiles
 
     @property
     def intensity(self) -> float:
@@ -145,8 +147,10 @@ class DecodePoint:
                "predicted ms": round(self.predicted_seconds * 1e3, 3),
                "roof GFLOP/s": round(self.predicted_flops / 1e9, 2)}
         if self.measured_seconds is not None:
-            row |= {"measured ms": round(self.measured_seconds * 1e3, 3),
-                    "achieved GFLOP/s": round(self.achieved_flops / 1e9, 2),
+            row |= {"measured ms": round(self.measured_seconds * 1e3, 3)}
+            if self.measured_quartiles is not None:
+                row["quartiles ms"] = "..".join(f"{q * 1e3:.2f}" for q in self.measured_quartiles)
+            row |= {"achieved GFLOP/s": round(self.achieved_flops / 1e9, 2),
                     "achieved GB/s": round(self.cost.bytes / self.measured_seconds / 1e9, 2),
                     "of roof": round(self.predicted_seconds / self.measured_seconds, 2)}
         return row
@@ -160,10 +164,10 @@ def predict_decode(cfg: ModelConfig, spec: DeviceSpec, dtype: str, batch: int, c
 
 
 @torch.inference_mode()
-def time_decode_step(model: GPT, batch: int, context: int, repeats: int = 5) -> float:
-    """Median seconds of one real decode step of ``model``: ``batch`` new tokens at position
-    ``context`` over a contiguous KV cache holding ``context`` tokens each. The cache's keys are
-    zeros, which costs the same to read as real ones."""
+def decode_step_timing(model: GPT, batch: int, context: int, repeats: int = 5) -> Timing:
+    """Seconds of one real decode step of ``model`` over ``repeats`` runs: ``batch`` new tokens at
+    position ``context`` over a contiguous KV cache holding ``context`` tokens each. The cache's
+    keys are zeros, which costs the same to read as real ones."""
     device = model.tok_emb.weight.device
     cache = ContiguousKVCache(model, batch, context + 1)
     tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -173,7 +177,12 @@ def time_decode_step(model: GPT, batch: int, context: int, repeats: int = 5) -> 
         cache.length = context
         model(tokens, positions, cache)
 
-    return median_seconds(step, device, repeats, warmup=2)
+    return time_repeats(step, device, repeats, warmup=2)
+
+
+def time_decode_step(model: GPT, batch: int, context: int, repeats: int = 5) -> float:
+    """The median of :func:`decode_step_timing`: seconds of one decode step."""
+    return decode_step_timing(model, batch, context, repeats).median
 
 
 def measure_decode(
@@ -183,8 +192,12 @@ def measure_decode(
     ``spec`` (in the model's own dtype)."""
     repeats = repeats or (3 if quick() else 7)
     dtype = dtype_name(model.dtype)
-    return [replace(predict_decode(model.cfg, spec, dtype, b, context),
-                    measured_seconds=time_decode_step(model, b, context, repeats)) for b in batches]
+    points = []
+    for b in batches:
+        timing = decode_step_timing(model, b, context, repeats)
+        points.append(replace(predict_decode(model.cfg, spec, dtype, b, context), measured_seconds=timing.median,
+                              measured_quartiles=(timing.q1, timing.q3)))
+    return points
 
 
 def nearly_free_batch(points: Sequence[DecodePoint], slack: float = 1.5) -> int:

@@ -10,6 +10,7 @@ from minillm.hardware import (
     DEVICE_SPECS,
     DTYPES,
     MachineProfile,
+    Timing,
     dtype_bytes,
     dtype_name,
     first_order_batch,
@@ -19,6 +20,7 @@ from minillm.hardware import (
     measure_machine,
     measure_matmul_flops,
     median_seconds,
+    time_repeats,
 )
 
 
@@ -87,6 +89,20 @@ def test_median_skips_warmup_and_outliers():
     seconds = median_seconds(run, torch.device("cpu"), repeats=5, clock=clock)
     assert seconds == 0.125  # the median of 0.25, 0.125, 0.0625, 0.125, 0.375; the 0.5 warm-up is untimed
     assert next(durations, None) is None  # one warm-up run and five timed ones, no more
+
+
+def test_timing_keeps_the_quartiles_of_the_timed_runs():
+    clock = FakeClock()
+    durations = iter([9.0, 0.5, 0.1, 0.3, 0.2, 0.4])  # a slow warm-up, then five runs
+
+    def run() -> None:
+        clock.now += next(durations)
+
+    timing = time_repeats(run, torch.device("cpu"), repeats=5, clock=clock)
+    assert (timing.median, timing.q1, timing.q3) == pytest.approx((0.3, 0.2, 0.4))  # the warm-up is untimed
+    assert Timing.of([0.7]) == Timing(0.7, 0.7, 0.7)
+    spread = Timing.of([1.0, 5.0])
+    assert spread.q1 >= 1.0 and spread.q3 <= 5.0 and spread.median == 3.0  # inside the runs' range
 
 
 def test_bandwidth_counts_copy_as_read_plus_write(monkeypatch):

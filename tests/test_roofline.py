@@ -132,6 +132,8 @@ def test_measured_decode_stays_under_the_roof(one_thread):
     points = measure_decode(model, roof, batches=[1, 8], context=16, repeats=3)
     for p in points:
         assert p.dtype == "fp32" and p.measured_seconds > 0
+        q1, q3 = p.measured_quartiles
+        assert q1 <= p.measured_seconds <= q3 and p.as_row()["quartiles ms"] == f"{q1 * 1e3:.2f}..{q3 * 1e3:.2f}"
         # the bytes a step moves cannot arrive faster than memory delivers them (1.5x: timing noise)
         assert p.cost.bytes / p.measured_seconds < 1.5 * roof.bandwidth, p.as_row()
         assert p.as_row()["batch"] == p.batch

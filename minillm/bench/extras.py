@@ -24,7 +24,7 @@ import torch
 from minillm.engine.config import EngineConfig
 
 from minillm.engine.llm_engine import LLMEngine
-from minillm.hardware import device_name
+from minillm.hardware import Timing, device_name
 from minillm.model import GPT
 from minillm.sampling import SamplingParams
 from minillm.structured import GrammarCompiler
@@ -86,9 +86,9 @@ def step_costs(model: GPT, rounds: int = 30, steps: int = 2, progress: Callable[
     plain = statistics.median(times["plain"])
     rows = []
     for name, ts in times.items():
-        q1, med, q3 = statistics.quantiles(ts, n=4) if len(ts) > 1 else (ts[0],) * 3
-        rows.append({"variant": name, "median_ms": med * 1e3, "q1_ms": q1 * 1e3, "q3_ms": q3 * 1e3,
-                     "vs_plain": med / plain})
+        t = Timing.of(ts)
+        rows.append({"variant": name, "median_ms": t.median * 1e3, "q1_ms": t.q1 * 1e3, "q3_ms": t.q3 * 1e3,
+                     "vs_plain": t.median / plain})
     return {"batch": BATCH, "prompt_len": PROMPT_LEN, "rounds": rounds, "steps_per_round": steps,
             "device": device_name(model.device), "threads": torch.get_num_threads(), "rows": rows,
             "grammar_setup": grammar_setup()}

@@ -29,7 +29,7 @@ import torch
 from minillm.data import prepare_corpus
 from minillm.drafters import ModelDrafter, NgramDrafter
 from minillm.generate import ContiguousKVCache, generate_kv_cache
-from minillm.hardware import device_name, median_seconds
+from minillm.hardware import Timing, device_name, median_seconds
 from minillm.model import GPT
 from minillm.speculative import SpeculativeStats, generate_speculative
 from minillm.tokenizer import get_tokenizer
@@ -125,10 +125,8 @@ def step_costs(target: GPT, draft: GPT, ks: list[int], context: int = 64, repeat
 
 def _quartiles(times: list[float]) -> list[float]:
     """The first and third quartiles of ``times``: the spread around their median."""
-    if len(times) < 2:
-        return [times[0], times[0]]
-    q = statistics.quantiles(times, n=4, method="inclusive")
-    return [q[0], q[2]]
+    t = Timing.of(times)
+    return [t.q1, t.q3]
 
 
 @torch.no_grad()
