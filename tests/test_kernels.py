@@ -197,6 +197,8 @@ def test_attention_bench_on_cpu_times_pytorch_only_and_says_so(tmp_path, capsys)
     assert report["engine"] == []
     for row in report["kernels"]:
         assert row["seconds"] > 0 and row["max_abs_error"] < 1e-4
+        q1, q3 = row["quartiles"]
+        assert q1 <= row["seconds"] <= q3
     traffic = report["traffic"]
     assert all(n > t for n, t in zip(traffic["naive_bytes"], traffic["tiled_bytes"]))
     assert (tmp_path / "attention-cpu.png").stat().st_size > 1000

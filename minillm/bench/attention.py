@@ -23,7 +23,7 @@ from minillm.cli import UsageError
 from minillm.config import PRESETS
 from minillm.bench.engine import load_weights
 from minillm.engine.llm import LLM
-from minillm.hardware import default_device, device_name, median_seconds
+from minillm.hardware import default_device, device_name, time_repeats
 from minillm.kernels import naive_attention, naive_bytes, tiled_attention, tiled_bytes
 from minillm.model import GPT
 from minillm.sampling import SamplingParams
@@ -39,11 +39,13 @@ ENGINE_KV_MEMORY = "2GiB"  # far more than the decode comparison's requests need
 
 @dataclass
 class KernelTiming:
-    """One implementation at one length: median seconds, model bytes, and what they imply."""
+    """One implementation at one length: median seconds and their quartiles, model bytes, and
+    what they imply."""
 
     method: str
     seq_len: int
     seconds: float | None  # None: it ran out of memory
+    quartiles: tuple[float, float] | None  # the first and third, as the spread around ``seconds``
     model_bytes: int | None  # None where the traffic model does not describe the implementation
     flops: int
     max_abs_error: float | None
@@ -102,11 +104,12 @@ def time_kernels(
             model = bytes_of(t, head_dim, heads, batch, dtype.itemsize) if bytes_of else None
             try:
                 error = (fn(q, k, v).float() - expected).abs().max().item()
-                seconds = median_seconds(lambda: fn(q, k, v), device, repeats=repeats)
+                timing = time_repeats(lambda: fn(q, k, v), device, repeats=repeats)
+                seconds, quartiles = timing.median, (timing.q1, timing.q3)
             except torch.OutOfMemoryError:
-                error = seconds = None
+                error = seconds = quartiles = None
                 torch.cuda.empty_cache()
-            rows.append(KernelTiming(name, t, seconds, model, flops, error))
+            rows.append(KernelTiming(name, t, seconds, quartiles, model, flops, error))
     return rows
 
 
@@ -178,7 +181,8 @@ def run_attention_bench(args) -> dict:
     print(f"causal attention, batch {batch} x {heads} heads x head_dim {args.head_dim}, {dtype}, {device_name(device)}")
     rows = time_kernels(device, dtype, lens, heads=heads, head_dim=args.head_dim, batch=batch, repeats=repeats)
     for r in rows:
-        ms = "out of memory" if r.seconds is None else f"{r.seconds * 1e3:10.3f} ms"
+        ms = ("out of memory" if r.seconds is None else
+              f"{r.seconds * 1e3:10.3f} ms ({r.quartiles[0] * 1e3:.3f}..{r.quartiles[1] * 1e3:.3f})")
         gbs = f"{r.bandwidth / 1e9:8.1f} GB/s (model)" if r.bandwidth else ""
         print(f"  T={r.seq_len:<5} {r.method:<16} {ms}  {(r.flop_rate or 0) / 1e12:7.3f} TFLOP/s  {gbs}", flush=True)
     report = {"device": device_name(device), "device_type": device.type, "dtype": str(dtype).removeprefix("torch."),
