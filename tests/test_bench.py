@@ -25,6 +25,8 @@ def test_smoke_run_reports_every_method(tmp_path, home) -> None:
     by_method = {r["method"]: r for r in run["results"]}
     assert by_method["paged engine"]["output_tokens"] == workload.output_tokens
     assert by_method["naive loop"]["output_tokens"] == workload.head(2).output_tokens
+    for r in run["results"]:  # the smoke size runs every method twice: the median of the two, and both runs
+        assert len(r["extra"]["seconds_runs"]) == 2 and r["seconds"] == pytest.approx(sum(r["extra"]["seconds_runs"]) / 2)
     paged = by_method["paged engine"]["tokens_per_s"]
     for method, ratio in run["speedup_of_paged_engine"].items():
         assert ratio == pytest.approx(paged / by_method[method]["tokens_per_s"])
@@ -35,6 +37,13 @@ def test_smoke_run_reports_every_method(tmp_path, home) -> None:
     assert b1["roofline_tokens_per_s"] == pytest.approx(b1["bandwidth"] / b1["weight_bytes"])
     assert b1["fraction_of_roofline"] == pytest.approx(b1["tokens_per_s"] / b1["roofline_tokens_per_s"])
     assert b1["weight_bytes"] == 4 * count_parameters(get_preset("tiny"))  # float32: four bytes a parameter
+
+
+def test_a_methods_runs_become_their_median_with_every_run_kept() -> None:
+    runs = [eb.Result("paged engine", 4, 100, s, {"steps": 9}) for s in (3.0, 1.0, 2.0)]
+    result = eb.median_run(runs)
+    assert result.seconds == 2.0 and result.tokens_per_s == 50.0
+    assert result.extra == {"steps": 9, "seconds_runs": [3.0, 1.0, 2.0]}
 
 
 def test_contiguous_waste_arithmetic() -> None:

@@ -50,6 +50,7 @@ def build_parser() -> ArgumentParser:
     e.add_argument("--baseline-requests", type=int, default=6, help="requests for the slow one-at-a-time loops")
     e.add_argument("--static-batch", type=int, default=32)
     e.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    e.add_argument("--repeats", type=int, default=3, help="runs of every method, in rounds (median and range)")
     e.add_argument("--device", default=None)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
@@ -164,9 +165,9 @@ def bench_profile(args, out: Path) -> Path:
 def bench_engine(args) -> dict:
     if args.smoke or quick():
         args.preset, args.num_requests, args.baseline_requests, args.static_batch = "tiny", 6, 2, 3
-        args.input_len, args.output_len = "4:24", "4:24"
-    if args.num_requests < 1 or args.baseline_requests < 1 or args.static_batch < 1:
-        raise UsageError("--num-requests, --baseline-requests and --static-batch must be at least 1")
+        args.input_len, args.output_len, args.repeats = "4:24", "4:24", min(args.repeats, 2)
+    if min(args.num_requests, args.baseline_requests, args.static_batch, args.repeats) < 1:
+        raise UsageError("--num-requests, --baseline-requests, --static-batch and --repeats must be at least 1")
     dtypes = [resolve_dtype(d.strip()) for d in args.dtypes.split(",")] if args.dtypes else []
     device = torch.device(args.device) if args.device else default_device()
     cfg = get_preset(args.preset)
@@ -187,17 +188,29 @@ def bench_engine(args) -> dict:
 
 
 def run_all(model: GPT, workload: eb.Workload, args) -> dict:
+    """Every method ``args.repeats`` times, in rounds (each method once a round, so a slow
+    spell of the machine hits them alike); each method's median run, with the runs' range."""
     few = workload.head(args.baseline_requests)
-    results = [eb.run_naive(model, few), eb.run_kv_cache(model, few), eb.run_static(model, workload, args.static_batch)]
+    methods = [lambda: eb.run_naive(model, few), lambda: eb.run_kv_cache(model, few),
+               lambda: eb.run_static(model, workload, args.static_batch), lambda: eb.run_engine(model, workload)]
+    if not args.no_hf:
+        methods.append(lambda: eb.run_hf(model, workload, args.static_batch))
+    runs: list[list[eb.Result]] = [[] for _ in methods]
+    for round_ in range(args.repeats):
+        for i, method in enumerate(methods):
+            result = method()
+            if isinstance(result, tuple):  # the engine also returns its KV waste, the same every round
+                result, waste = result
+            if result is not None:  # None: transformers is not installed
+                runs[i].append(result)
+                print(f"  round {round_ + 1}/{args.repeats}  {result.method:<44} {result.tokens_per_s:>9,.1f} tok/s",
+                      flush=True)
+    results = [eb.median_run(r) for r in runs if r]
+    paged = next(r for r in results if r.method == "paged engine")
     for r in results:
-        print(f"  {r.method:<44} {r.tokens_per_s:>9,.1f} tok/s", flush=True)
-    paged, waste = eb.run_engine(model, workload)
-    results.append(paged)
-    print(f"  {paged.method:<44} {paged.tokens_per_s:>9,.1f} tok/s", flush=True)
-    hf = None if args.no_hf else eb.run_hf(model, workload, args.static_batch)
-    if hf is not None:
-        results.append(hf)
-        print(f"  {hf.method:<44} {hf.tokens_per_s:>9,.1f} tok/s", flush=True)
+        times = r.extra["seconds_runs"]
+        print(f"  {r.method:<44} {r.tokens_per_s:>9,.1f} tok/s (median of {len(times)}; "
+              f"{r.output_tokens / max(times):,.1f}..{r.output_tokens / min(times):,.1f})")
     batch1 = eb.batch1_decode(model)
     waste |= eb.contiguous_waste(workload, model.cfg.context_length, args.static_batch)
     ratios = {r.method: paged.tokens_per_s / r.tokens_per_s for r in results if r is not paged}
@@ -227,12 +240,16 @@ def plot(report: dict, path: Path) -> None:
     for ax, (dtype, run_) in zip(axes[0], runs.items()):
         names = [r["method"] for r in run_["results"]]
         rates = [r["tokens_per_s"] for r in run_["results"]]
-        ax.barh(names, rates, color=["C7" if n != "paged engine" else "C0" for n in names])
+        runs = [r["extra"].get("seconds_runs", [r["seconds"]]) for r in run_["results"]]
+        spread = [[rate - r["output_tokens"] / max(t) for rate, r, t in zip(rates, run_["results"], runs)],
+                  [r["output_tokens"] / min(t) - rate for rate, r, t in zip(rates, run_["results"], runs)]]
+        ax.barh(names, rates, xerr=spread, capsize=3, color=["C7" if n != "paged engine" else "C0" for n in names])
         ax.invert_yaxis()
         ax.set(xlabel="output tokens/s", title=f"{report['preset']}, {dtype}")
         for y, rate in enumerate(rates):
             ax.text(rate, y, f" {rate:,.0f}", va="center")
-    fig.suptitle(f"{report['num_requests']} requests on {report['device']}", fontsize=10)
+    fig.suptitle(f"{report['num_requests']} requests on {report['device']} (median run; bars: fastest..slowest)",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

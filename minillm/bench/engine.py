@@ -14,7 +14,7 @@ import random
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -68,6 +68,14 @@ class Result:
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds
+
+
+def median_run(runs: list[Result]) -> Result:
+    """One method's repeated runs as one result: their median seconds, every run's seconds kept
+    in ``extra["seconds_runs"]`` for the spread. (The extras, such as the engine's step count,
+    are the same from run to run: the workload and greedy decoding are.)"""
+    seconds = [r.seconds for r in runs]
+    return replace(runs[0], seconds=statistics.median(seconds), extra={**runs[0].extra, "seconds_runs": seconds})
 
 
 def _timed(method: str, workload: Workload, fn, **extra) -> Result:
