@@ -39,6 +39,13 @@ def test_smoke_run_reports_every_method(tmp_path, home) -> None:
     assert b1["weight_bytes"] == 4 * count_parameters(get_preset("tiny"))  # float32: four bytes a parameter
 
 
+def test_a_method_slower_than_repeat_under_runs_once(tmp_path, home) -> None:
+    assert main(["engine", "--smoke", "--dtypes", "float32", "--no-hf", "--repeat-under", "0",
+                 "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "engine-tiny.json").read_text())
+    assert all(len(r["extra"]["seconds_runs"]) == 1 for r in report["runs"]["float32"]["results"])
+
+
 def test_a_methods_runs_become_their_median_with_every_run_kept() -> None:
     runs = [eb.Result("paged engine", 4, 100, s, {"steps": 9}) for s in (3.0, 1.0, 2.0)]
     result = eb.median_run(runs)
