@@ -246,14 +246,16 @@ def plot(report: dict, path: Path) -> None:
     for ax, (dtype, run_) in zip(axes[0], runs.items()):
         names = [r["method"] for r in run_["results"]]
         rates = [r["tokens_per_s"] for r in run_["results"]]
-        runs = [r["extra"].get("seconds_runs", [r["seconds"]]) for r in run_["results"]]
-        spread = [[rate - r["output_tokens"] / max(t) for rate, r, t in zip(rates, run_["results"], runs)],
-                  [r["output_tokens"] / min(t) - rate for rate, r, t in zip(rates, run_["results"], runs)]]
+        seconds = [r["extra"].get("seconds_runs", [r["seconds"]]) for r in run_["results"]]
+        slowest = [r["output_tokens"] / max(t) for r, t in zip(run_["results"], seconds)]
+        fastest = [r["output_tokens"] / min(t) for r, t in zip(run_["results"], seconds)]
+        spread = [[rate - lo for rate, lo in zip(rates, slowest)], [hi - rate for rate, hi in zip(rates, fastest)]]
         ax.barh(names, rates, xerr=spread, capsize=3, color=["C7" if n != "paged engine" else "C0" for n in names])
         ax.invert_yaxis()
+        ax.margins(x=0.15)  # room for the labels right of the longest bar
         ax.set(xlabel="output tokens/s", title=f"{report['preset']}, {dtype}")
-        for y, rate in enumerate(rates):
-            ax.text(rate, y, f" {rate:,.0f}", va="center")
+        for y, (rate, hi) in enumerate(zip(rates, fastest)):
+            ax.text(hi, y, f"  {rate:,.0f}", va="center")  # past the range bar's end, not on it
     fig.suptitle(f"{report['num_requests']} requests on {report['device']} (median run; bars: fastest..slowest)",
                  fontsize=10)
     fig.tight_layout()
