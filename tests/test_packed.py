@@ -82,8 +82,9 @@ def test_slabs_share_the_rows_evenly_between_threads():
     assert packed.slabs_for(7, 2) == 1 and packed.slabs_for(1024, 1) == 1
 
 
+@pytest.mark.parametrize("road", ["slabs", "packed", "plain"])
 @torch.inference_mode()
-def test_one_row_goes_through_the_slabs_and_more_rows_through_the_packed_kernel():
+def test_one_row_takes_its_timed_road_and_more_rows_the_packed_kernel(monkeypatch, road):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -95,17 +96,44 @@ def test_one_row_goes_through_the_slabs_and_more_rows_through_the_packed_kernel(
             self.names.add(func.__name__.split(".")[0])
             return func(*args, **(kwargs or {}))
 
+    # whatever this machine would time, the road under test is the fastest
+    monkeypatch.setattr(packed, "_ONE_ROW", {})
+    monkeypatch.setattr(packed, "time_one_row", lambda w, p, slabs: {"slabs": 3.0, "packed": 2.0, "plain": 1.0,
+                                                                     road: 0.0})
     torch.manual_seed(0)
     layer = nn.Linear(64, 58)  # 58 = 2 x 29 rows
     head = nn.Linear(64, 29 * 3, bias=False)  # an odd row count, cut in 29 slabs of 3
     for plain in (layer, head):
         fast = PackedLinear(plain)
-        assert packed._PACKED[packed._key(plain.weight)][2] == packed.slabs_for(plain.out_features, torch.get_num_threads())
+        entry = packed._PACKED[packed._key(plain.weight)]
+        assert entry.slabs == packed.slabs_for(plain.out_features, torch.get_num_threads())
+        assert entry.one_row == road
         for rows in (1, 2, 5):
             x = torch.randn(rows, 64)
             with Ops() as seen:
                 y = fast(x)
             torch.testing.assert_close(y, plain(x), rtol=1e-5, atol=1e-5)
-            slabbed = rows == 1 and packed.slabs_for(plain.out_features, torch.get_num_threads()) > 1
-            assert bool(seen.names & {"bmm", "baddbmm"}) == slabbed
-            assert ("_linear_pointwise" in seen.names) == (not slabbed)
+            taken = road if rows == 1 else "packed"
+            assert bool(seen.names & {"bmm", "baddbmm"}) == (taken == "slabs")
+            assert ("_linear_pointwise" in seen.names) == (taken == "packed")
+            assert bool(seen.names & {"addmm", "mm", "linear"}) == (taken == "plain")
+
+
+@torch.inference_mode()
+def test_the_one_row_road_is_the_fastest_timed_and_timed_once_per_shape(monkeypatch):
+    timed, time_one_row = [], packed.time_one_row
+
+    def fake_time(weight, packed_copy, slabs):
+        timed.append(tuple(weight.shape))
+        return {"slabs": 2.0, "packed": 1.0, "plain": 3.0} if slabs > 1 else {"packed": 2.0, "plain": 1.0}
+
+    monkeypatch.setattr(packed, "_ONE_ROW", {})
+    monkeypatch.setattr(packed, "time_one_row", fake_time)
+    torch.manual_seed(0)
+    a, b, c = nn.Linear(64, 58), nn.Linear(64, 58), nn.Linear(64, 7)  # 7 rows cannot be split
+    keep = [PackedLinear(m) for m in (a, b, c)]
+    assert [packed._PACKED[packed._key(m.weight)].one_row for m in (a, b, c)] == ["packed", "packed", "plain"]
+    assert timed == [(58, 64), (7, 64)]  # b's shape was already timed
+    seconds = time_one_row(a.weight, packed._PACKED[packed._key(a.weight)].packed, 2)
+    assert set(seconds) == {"slabs", "packed", "plain"} and all(t > 0 for t in seconds.values())
+    del keep
