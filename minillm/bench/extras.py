@@ -14,6 +14,7 @@ the rounds.
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import time
 from pathlib import Path
@@ -78,9 +79,14 @@ def step_costs(model: GPT, rounds: int = 30, steps: int = 2, progress: Callable[
     for engine in variants.values():  # warm every shape once before any timing
         _timed_steps(engine, 1)
     times: dict[str, list[float]] = {name: [] for name in variants}
+    order, shuffler = list(variants), random.Random(0)
     for r in range(rounds):
-        for name, engine in variants.items():
-            times[name].append(_timed_steps(engine, steps))
+        # every round in its own order, so that no variant always follows the same neighbour
+        # (in a fixed order plain, timed right after the slowest variant, read slower than
+        # variants doing more work)
+        shuffler.shuffle(order)
+        for name in order:
+            times[name].append(_timed_steps(variants[name], steps))
         if progress:
             progress(f"round {r + 1}/{rounds}")
     plain = statistics.median(times["plain"])
