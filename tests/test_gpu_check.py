@@ -94,3 +94,16 @@ def test_the_dry_run_of_a_real_step_writes_its_result_and_plot(tmp_path) -> None
     assert machine["result"]["tokenizer"]["ok"] and machine["result"]["decode"]["points"]
     assert report["dry_run"] and report["weights"].startswith("random") and not report["files"]["problems"]
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "roofline.png"]
+
+
+def test_the_chapters_read_the_newest_committed_gpu_check(tmp_path):
+    from minillm.bench.gpu_check import committed_results
+
+    assert committed_results(tmp_path) is None
+    for folder, commit in (("2026-12-04-h200", "old"), ("2027-01-10-h100", "new")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "gpu_check.json").write_text(json.dumps({"commit": commit}))
+    (tmp_path / "notes").mkdir()  # a folder without a report is not a run
+    assert committed_results(tmp_path) == {"commit": "new", "folder": "2027-01-10-h100"}
+    committed = committed_results()  # this checkout's own: every step of it passed
+    assert committed is not None and all(s["status"] == "ok" for s in committed["steps"].values())

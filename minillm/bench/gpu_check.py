@@ -249,6 +249,25 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
+def committed_results(results: Path | None = None) -> dict | None:
+    """The newest GPU check committed under ``benchmarks/results/gpu/`` (one folder per run,
+    named by its date first, so the last name sorts newest), as its ``gpu_check.json`` holds it,
+    with ``folder`` added; None where none is, or outside a source checkout. The chapters quote
+    their GPU figures from it."""
+    if results is None:
+        from minillm.settings import project_root
+
+        root = project_root()
+        if root is None:
+            return None
+        results = root / "benchmarks" / "results" / "gpu"
+    runs = sorted(p for p in results.glob("*/gpu_check.json") if p.is_file())
+    if not runs:
+        return None
+    report = json.loads(runs[-1].read_text())
+    return report | {"folder": runs[-1].parent.name}
+
+
 def missing_imports(names: Sequence[str] = IMPORTS) -> dict[str, str]:
     """``{module: why}`` for each module the steps need that does not import here."""
     missing = {}
