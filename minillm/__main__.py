@@ -3,9 +3,9 @@ a trained ``cpu`` model, training it on first use, then show what it writes."""
 
 from __future__ import annotations
 
-from minillm.train import load_or_train
-from minillm.doctor import run_banner
-from minillm.train import sample
+from minillm.train.trainer import load_or_train
+from minillm.machine.doctor import run_banner
+from minillm.train.trainer import sample
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 """Reading a memory size from text: ``"6GiB"``, as flags and options spell it.
 
-Kept apart from :mod:`minillm.units` (which needs torch for its dtypes, and re-exports this)
-because the router reads ``--max-body-bytes`` with it, and the router must start without torch.
+A torch-free leaf: the engine's options, the server's flags and the router (which reads
+``--max-body-bytes`` with it and must start without torch) all read sizes here.
 """
 
 from __future__ import annotations

@@ -12,23 +12,12 @@ The server, in data-flow order (``python -m server`` runs it):
 - ``app``: the aiohttp routes: auth, errors, streaming, disconnects, the access log.
 - ``__main__``: load the model, print how to call it, serve, shut down gracefully.
 
-Around it, chapter 11's tools:
+Around it:
 
-- ``loadgen_stats``: latency percentiles, TPOT and goodput, with vLLM's definitions.
-- ``loadgen_client``: workloads, open-loop arrival schedules, one timed streaming request.
-- ``loadgen``: ``python -m server.loadgen``: runs, sweeps, reports, JSON and plots.
 - ``dashboard``: the live page at ``/`` and its event stream, one encoding per tick for every page.
 - ``traffic_panel``: the page's bounded load, one run at a time, for the page's own origin only.
 - ``launch``: start ``python -m server`` as a child process (chapters 9, 11 and 16, the tests).
 - ``signals``: the first SIGINT or SIGTERM stops gracefully, a second at once (server and router).
-
-Chapter 16's router, a proxy with the same API in front of several servers
-(``python -m server.router``):
-
-- ``router_config``: its flags, or ``MINILLM_ROUTER_*`` environment variables.
-- ``routing``: the policies (round-robin, least outstanding, load-aware, prefix affinity).
-- ``replicas``: each replica's health, ejection and re-admission, and its scraped load.
-- ``router``: ``python -m server.router``: the app, its own /health and /metrics, spawned replicas.
-- ``router_proxy``: one request forwarded until a replica takes it, relayed, its failures reported.
-- ``router_bench``: ``python -m server.router_bench``: replicas, policies and failover, measured.
+- ``loadgen/``: chapter 11's load generator, ``python -m server.loadgen``.
+- ``router/``: chapter 16's router over replicas, ``python -m server.router``.
 """

@@ -20,9 +20,9 @@ from minillm.cli import UsageError, run
 from minillm.engine.build import EngineOptionError, build_engine, check_device
 from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.memory import describe_cache
-from minillm.hardware import default_device
-from minillm.tokenizer import get_tokenizer
-from minillm.train import load_or_train
+from minillm.machine.hardware import default_device
+from minillm.data.tokenizer import get_tokenizer
+from minillm.train.trainer import load_or_train
 from server.app import STATE, create_app
 from server.config import ServerConfig, parse_args
 from server.connections import connection_room, limit_connections

@@ -32,8 +32,8 @@ from typing import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from minillm.engine.llm_engine import LLMEngine
-from minillm.logprobs import TokenLogprobs
-from minillm.tokenizer import Tokenizer
+from minillm.decoding.logprobs import TokenLogprobs
+from minillm.data.tokenizer import Tokenizer
 from server.config import ServerConfig
 from server.dashboard import add_dashboard
 from server.engine_loop import AsyncEngine, EngineFailure, Event, QueueFull, Rejected, RequestStream, ShuttingDown

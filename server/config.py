@@ -15,8 +15,9 @@ from typing import Callable, Mapping, Sequence
 
 from minillm.cli import ArgumentParser, UsageError
 from minillm.engine.config import EngineConfig
-from minillm.quant import check_scheme
-from minillm.units import parse_memory, resolve_dtype
+from minillm.speedups.quant import check_scheme
+from minillm.machine.hardware import resolve_dtype
+from minillm.sizes import parse_memory
 from server.connections import CLIENT_FLAGS, CLIENT_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, MAX_CONNECTIONS
 from server.flags import LOG_LEVELS, add_env_flags, byte_size, dataclass_defaults, env_name
 from server.wire import MAX_BODY_BYTES

@@ -44,7 +44,7 @@ from typing import Callable
 
 from minillm.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
 from minillm.engine.scheduler import SchedulerOutput
-from minillm.sampling import SamplingParams
+from minillm.decoding.sampling import SamplingParams
 
 log = logging.getLogger("server.engine")
 

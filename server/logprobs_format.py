@@ -1,4 +1,4 @@
-"""The engine's :class:`~minillm.logprobs.TokenLogprobs` in OpenAI's two wire shapes.
+"""The engine's :class:`~minillm.decoding.logprobs.TokenLogprobs` in OpenAI's two wire shapes.
 
 Completions (the legacy shape, which evaluation harnesses read)::
 
@@ -19,8 +19,8 @@ the characters of the token strings before each token, from the start of the cho
 
 from __future__ import annotations
 
-from minillm.logprobs import TokenLogprobs
-from minillm.tokenizer import Tokenizer
+from minillm.decoding.logprobs import TokenLogprobs
+from minillm.data.tokenizer import Tokenizer
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:

@@ -18,9 +18,9 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from minillm.sampling import SEED_MAX, SEED_MIN, SamplingParams
-from minillm.structured import JSON_OBJECT_SCHEMA, schema_error
-from minillm.tokenizer import Tokenizer
+from minillm.decoding.sampling import SEED_MAX, SEED_MIN, SamplingParams
+from minillm.decoding.structured import JSON_OBJECT_SCHEMA, schema_error
+from minillm.data.tokenizer import Tokenizer
 from server.wire import OpenAIError, invalid
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from minillm.tokenizer import Tokenizer
+from minillm.data.tokenizer import Tokenizer
 from server.protocol import ModelCard, chat_prompt
 from server.responses import models_list
 from server.wire import OpenAIError, invalid, read_json

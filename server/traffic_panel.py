@@ -25,8 +25,8 @@ import time
 
 from aiohttp import web
 
-from server.loadgen_client import LoadRun, LoadSpec
-from server.loadgen_stats import Summary
+from server.loadgen.client import LoadRun, LoadSpec
+from server.loadgen.stats import Summary
 from server.wire import OpenAIError, invalid, read_json
 
 # The bounds: a visitor can overload the server, but only briefly.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from minillm.config import ModelConfig, get_preset
-from minillm.model import GPT
+from minillm.model.config import ModelConfig, get_preset
+from minillm.model.gpt import GPT
 
 
 def tiny_model(context_length: int = 128) -> GPT:

@@ -9,8 +9,8 @@ import torch
 from minillm.bench import engine as eb
 from minillm.bench.__main__ import main, parse_range
 from minillm.cli import UsageError
-from minillm.config import get_preset
-from minillm.model import count_parameters
+from minillm.model.config import get_preset
+from minillm.model.gpt import count_parameters
 
 
 def test_smoke_run_reports_every_method(tmp_path, home) -> None:
@@ -69,8 +69,8 @@ def test_bad_ranges_are_one_line_errors() -> None:
 
 def test_the_decode_roof_is_the_slower_of_bytes_and_flops() -> None:
     from minillm.bench.decode import roof
-    from minillm.config import get_preset
-    from minillm.model import GPT, matmul_parameters
+    from minillm.model.config import get_preset
+    from minillm.model.gpt import GPT, matmul_parameters
 
     model = GPT(get_preset("tiny"))
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -129,8 +129,8 @@ def test_the_training_benchmark_reports_each_part_and_each_version(tmp_path, cap
 def test_the_decode_profile_times_every_phase_it_names() -> None:
     """Chapter 12's profile wraps the engine's phases by name: a renamed one must fail here."""
     from minillm.bench.profile import profile_decode
-    from minillm.config import get_preset
-    from minillm.model import GPT
+    from minillm.model.config import get_preset
+    from minillm.model.gpt import GPT
 
     torch.manual_seed(0)
     phases = profile_decode(GPT(get_preset("tiny")).eval(), 2, "ours, plain eager", 2)["phases"]
@@ -143,7 +143,7 @@ def test_the_extras_benchmark_times_each_extra_on_the_rows_it_says(tmp_path, cap
     for the extra (a schema-held row has a grammar, and its long answer keeps it masked to the
     end), and the report has one row per variant with plain as the unit."""
     from minillm.bench import extras as XB
-    from minillm.model import GPT
+    from minillm.model.gpt import GPT
 
     torch.manual_seed(0)
     model = GPT(get_preset("tiny")).eval()

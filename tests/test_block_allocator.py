@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from minillm.engine.block_allocator import BlockAllocator
 from minillm.engine.sequence import Sequence
-from minillm.sampling import SamplingParams
+from minillm.decoding.sampling import SamplingParams
 
 
 def make_seq(tokens: list[int], rid: str = "r") -> Sequence:

@@ -12,11 +12,11 @@ import math
 import pytest
 import torch
 
-from minillm.config import ModelConfig
+from minillm.model.config import ModelConfig
 from minillm.engine import LLM, SamplingParams
-from minillm.hardware import measure_machine
-from minillm.model import GPT
-from minillm.train import measure_throughput
+from minillm.machine.hardware import measure_machine
+from minillm.model.gpt import GPT
+from minillm.train.trainer import measure_throughput
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -23,10 +23,10 @@ from models import tiny_model
 from test_server_live import Live, live_server, small_engine
 
 from minillm.engine.llm_engine import EngineStats
-from minillm.model import GPT
+from minillm.model.gpt import GPT
 from server import dashboard
 from server.dashboard import FEED, RATE_WINDOW_S, TICK_S, StatsFeed, histogram_quantile
-from server.loadgen_client import LoadSpec
+from server.loadgen.client import LoadSpec
 from server.metrics import Metrics
 from server.traffic_panel import MAX_TRAFFIC_RATE, TRAFFIC, Traffic
 from server.wire import OpenAIError, sse

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from minillm.data import (
+from minillm.data.corpus import (
     BatchSampler,
     CorpusUnavailable,
     hub_reachable,
@@ -16,8 +16,8 @@ from minillm.data import (
     split_of,
     split_stories,
 )
-from minillm.synthetic import generate_stories
-from minillm.tokenizer import get_tokenizer
+from minillm.data.synthetic import generate_stories
+from minillm.data.tokenizer import get_tokenizer
 
 tok = get_tokenizer()
 
@@ -184,7 +184,7 @@ def test_batch_sampler_rejects_a_stream_too_short():
 
 
 def run_cli(*args, **env):
-    return subprocess.run([sys.executable, "-m", "minillm.data", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "minillm.data.corpus", *args], capture_output=True, text=True,
                           env={**os.environ, **env})
 
 

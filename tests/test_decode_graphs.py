@@ -8,17 +8,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from minillm.config import get_preset
+from minillm.model.config import get_preset
 from minillm.engine import LLM
-from minillm.engine import decode_graphs
+from minillm.speedups import decode_graphs
 from minillm.engine.block_allocator import BlockAllocator
-from minillm.engine.decode_graphs import DecodeGraphs, bucket_sizes, capture_unsupported
+from minillm.speedups.decode_graphs import DecodeGraphs, bucket_sizes, capture_unsupported
 from minillm.engine.kv_cache import PagedKVPool
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
-from minillm.model import GPT
-from minillm.quant import quantize_model
-from minillm.sampling import SamplingParams
+from minillm.model.gpt import GPT
+from minillm.speedups.quant import quantize_model
+from minillm.decoding.sampling import SamplingParams
 
 SHARED = [11, 12, 13, 14, 15, 16, 17, 18, 19]  # two full blocks of 4: a prefix-cache hit for each prompt after the first
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from minillm.detokenizer import IncrementalDetokenizer
-from minillm.tokenizer import get_tokenizer
+from minillm.decoding.detokenizer import IncrementalDetokenizer
+from minillm.data.tokenizer import get_tokenizer
 
 MULTIBYTE = "A llama 🦙 says こんにちは, 你好世界 and 日本語 😀!"
 

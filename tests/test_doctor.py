@@ -1,4 +1,4 @@
-from minillm import doctor
+from minillm.machine import doctor
 
 
 def test_checks_pass_on_a_working_install():

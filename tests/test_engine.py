@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from minillm.config import ModelConfig
+from minillm.model.config import ModelConfig
 from minillm.engine import LLM, LLMEngine, SamplingParams
 from minillm.engine.config import EngineConfig
-from minillm.generate import generate_kv_cache, generate_naive, generate_static_batch
-from minillm.model import GPT
-from minillm.tokenizer import get_tokenizer
+from minillm.decoding.generate import generate_kv_cache, generate_naive, generate_static_batch
+from minillm.model.gpt import GPT
+from minillm.data.tokenizer import get_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +173,7 @@ def test_a_finished_request_leaves_nothing_behind(model: GPT) -> None:
     import gc
     import weakref
 
-    from minillm.engine.speculator import Speculator
+    from minillm.speedups.speculative.speculator import Speculator
 
     engine = LLMEngine(model, EngineConfig(num_blocks=32, block_size=8), speculator=Speculator.with_ngram(3))
     sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=3, stop=["zz"], ignore_eos=True)

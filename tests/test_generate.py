@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from minillm.config import ModelConfig
-from minillm.generate import ContiguousKVCache, generate_kv_cache, generate_naive, generate_static_batch
-from minillm.model import GPT
+from minillm.model.config import ModelConfig
+from minillm.decoding.generate import ContiguousKVCache, generate_kv_cache, generate_naive, generate_static_batch
+from minillm.model.gpt import GPT
 
 
 @pytest.fixture(scope="module")

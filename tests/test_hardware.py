@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-from minillm import hardware
+from minillm.machine import hardware
 from minillm.cli import run
-from minillm.hardware import (
+from minillm.machine.hardware import (
     DEVICE_SPECS,
     DTYPES,
     MachineProfile,
@@ -159,7 +159,7 @@ def test_cli_json(capsys):
                                            (["--device", "tpu"], "--device tpu: ")])
 def test_cli_errors_are_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as exit:
-        run(hardware.main, argv, prog="python -m minillm.hardware")
+        run(hardware.main, argv, prog="python -m minillm.machine.hardware")
     assert exit.value.code == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1

@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, pipeline
 
-from minillm.config import get_preset
-from minillm.generate import generate_kv_cache
-from minillm.hf import export_hf, gpt2_vocab, load_hf
-from minillm.model import GPT
-from minillm.tokenizer import EOT_ID, bpe_files, get_tokenizer
+from minillm.model.config import get_preset
+from minillm.decoding.generate import generate_kv_cache
+from minillm.export.hf import export_hf, gpt2_vocab, load_hf
+from minillm.model.gpt import GPT
+from minillm.data.tokenizer import EOT_ID, bpe_files, get_tokenizer
 from models import lively_tiny
 
 TEXTS = [

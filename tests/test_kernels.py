@@ -10,11 +10,11 @@ import torch.nn.functional as F
 
 from minillm.bench.__main__ import main as bench_main
 from minillm.cli import UsageError
-from minillm.config import ModelConfig
+from minillm.model.config import ModelConfig
 from minillm.engine import LLM
 from minillm.engine.config import EngineConfig
-from minillm.hardware import get_spec
-from minillm.kernels import (
+from minillm.machine.hardware import get_spec
+from minillm.speedups.kernels import (
     TrafficCounter,
     decode_bytes,
     naive_attention,
@@ -26,8 +26,8 @@ from minillm.kernels import (
     tiled_attention,
     tiled_bytes,
 )
-from minillm.kernels import runtime
-from minillm.model import GPT
+from minillm.speedups.kernels import runtime
+from minillm.model.gpt import GPT
 from server.config import parse_args
 
 

@@ -1,7 +1,7 @@
 """Chapter 15's Triton kernels against the reference: causal, non-causal, ragged and paged.
 
 On a CUDA machine they run compiled, on the GPU; elsewhere in Triton's interpreter on CPU
-tensors (``minillm.kernels.runtime``), which is slow, hence the small shapes. ``make test``
+tensors (``minillm.speedups.kernels.runtime``), which is slow, hence the small shapes. ``make test``
 installs the ``triton`` extra and sets ``MINILLM_REQUIRE_TRITON=1``, so there (and in CI) a
 missing Triton fails the run instead of quietly dropping this file; a bare ``pytest`` without
 the extra skips it, with the reason in the summary.
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minillm.kernels import interpreting, triton_installed  # before triton: it picks the interpreter
+from minillm.speedups.kernels import interpreting, triton_installed  # before triton: it picks the interpreter
 
 if not triton_installed():
     WHY = "Triton is not installed: pip install -e '.[triton]' (make test installs it)"
@@ -24,11 +24,11 @@ if not triton_installed():
         pytest.fail(WHY, pytrace=False)
     pytest.skip(WHY, allow_module_level=True)
 
-from minillm.config import ModelConfig  # noqa: E402
+from minillm.model.config import ModelConfig  # noqa: E402
 from minillm.engine import LLM, SamplingParams  # noqa: E402
-from minillm.kernels.flash_triton import flash_attention  # noqa: E402
-from minillm.kernels.paged_triton import paged_decode_attention  # noqa: E402
-from minillm.model import GPT  # noqa: E402
+from minillm.speedups.kernels.flash_triton import flash_attention  # noqa: E402
+from minillm.speedups.kernels.paged_triton import paged_decode_attention  # noqa: E402
+from minillm.model.gpt import GPT  # noqa: E402
 
 DEVICE = torch.device("cpu" if interpreting() else "cuda")
 pytestmark = pytest.mark.cuda  # compiled on a GPU where there is one: the GPU check runs these natively
@@ -139,8 +139,8 @@ COMPILE_FOR_A_GPU = textwrap.dedent("""
     from triton import compile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from minillm.kernels.flash_triton import flash_forward_kernel
-    from minillm.kernels.paged_triton import paged_decode_kernel
+    from minillm.speedups.kernels.flash_triton import flash_forward_kernel
+    from minillm.speedups.kernels.paged_triton import paged_decode_kernel
 
     def ptx(fn, pointers, constants):
         types = {name: pointers.get(name, "i32") for name in fn.arg_names} | {c: "constexpr" for c in constants}

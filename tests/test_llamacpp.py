@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from minillm.bench import llamacpp
-from minillm.checkpoint import load_model
-from minillm.generate import generate_kv_cache
-from minillm.gguf_export import export_gguf, gguf_context_length, gguf_name_map
-from minillm.hf import gpt2_vocab
-from minillm.model import GPT
+from minillm.model.checkpoint import load_model
+from minillm.decoding.generate import generate_kv_cache
+from minillm.export.gguf import export_gguf, gguf_context_length, gguf_name_map
+from minillm.export.hf import gpt2_vocab
+from minillm.model.gpt import GPT
 from minillm.settings import preset_dir
-from minillm.tokenizer import EOT_ID, get_tokenizer
+from minillm.data.tokenizer import EOT_ID, get_tokenizer
 from models import lively_tiny
 
 PROMPTS = ["Once upon a time", "The little girl saw a", "Tom and his dog went to the park. They"]

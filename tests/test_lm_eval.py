@@ -12,8 +12,8 @@ import torch
 from models import tiny_model
 from test_server_live import live_server, small_engine
 
-from minillm.model import GPT
-from minillm.tokenizer import bpe_files, get_tokenizer
+from minillm.model.gpt import GPT
+from minillm.data.tokenizer import bpe_files, get_tokenizer
 
 DOCS = [
     {"context": "Once upon a time there was a", "choices": ["cat", "dog", "little girl"], "label": 2},

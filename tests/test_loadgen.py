@@ -22,12 +22,14 @@ from test_server_live import Gate, live_server, small_engine
 from minillm.cli import UsageError
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
-from minillm.model import GPT
-from minillm.tokenizer import EOT_ID, get_tokenizer
-from server import loadgen_client
+from minillm.model.gpt import GPT
+from minillm.data.tokenizer import EOT_ID, get_tokenizer
+from server.loadgen import client as loadgen_client
 from server.app import STATE
-from server.loadgen import LoadRun, LoadSpec, RequestResult, arrival_times, main, parse_slo, percentile, summarize
-from server.loadgen_client import prompts
+from server.loadgen.__main__ import main
+from server.loadgen.client import LoadRun, LoadSpec, arrival_times
+from server.loadgen.stats import RequestResult, parse_slo, percentile, summarize
+from server.loadgen.client import prompts
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ import torch
 from models import tiny_model
 
 from minillm.engine import LLM, SamplingParams
-from minillm.logprobs import TokenLogprobs
-from minillm.model import GPT
+from minillm.decoding.logprobs import TokenLogprobs
+from minillm.model.gpt import GPT
 
 TOLERANCE = 1e-4
 

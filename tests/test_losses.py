@@ -1,4 +1,4 @@
-"""The fused output layer + cross-entropy (minillm.losses) against the textbook two-step loss."""
+"""The fused output layer + cross-entropy (minillm.model.losses) against the textbook two-step loss."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minillm.config import get_preset
-from minillm.losses import linear_cross_entropy
-from minillm.model import GPT
+from minillm.model.config import get_preset
+from minillm.model.losses import linear_cross_entropy
+from minillm.model.gpt import GPT
 
 
 def _inputs(n: int = 20, d: int = 16, vocab: int = 97, seed: int = 0):

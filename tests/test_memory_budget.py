@@ -18,18 +18,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from minillm.checkpoint import save_checkpoint
+from minillm.model.checkpoint import save_checkpoint
 from minillm.cli import UsageError
-from minillm.config import ModelConfig, get_preset
+from minillm.model.config import ModelConfig, get_preset
 from minillm.engine import LLM, SamplingParams
 from minillm.engine.build import EngineOptionError
 from minillm.engine.kv_cache import kv_bytes_per_token
 from minillm.engine.config import EngineConfig
 from minillm.engine.memory import (MemoryBudgetError, mib, plan, resident_bytes, weight_bytes,
                                    worst_steps)
-from minillm.model import GPT
-from minillm.packed import pack_weights
-from minillm.parallel import shard_config
+from minillm.model.gpt import GPT
+from minillm.speedups.packed import pack_weights
+from minillm.distributed.tensor import shard_config
 from server.config import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,10 +45,10 @@ CPU = torch.device("cpu")
 # activations, 64 for the allocator's slack, the rest for the KV cache.
 CHILD = r"""
 import dataclasses, json, re, torch
-from minillm.config import get_preset
+from minillm.model.config import get_preset
 from minillm.engine import LLM, SamplingParams
 from minillm.engine.memory import resident_bytes
-from minillm.model import GPT
+from minillm.model.gpt import GPT
 def high_water():  # VmHWM: this image's own peak (ru_maxrss would count the forking parent)
     return int(re.search(r"VmHWM:\s+(\d+) kB", open("/proc/self/status").read())[1]) * 1024
 torch.manual_seed(0)
@@ -132,9 +132,9 @@ def test_the_warm_up_measures_the_largest_prefill_too() -> None:
     # steps can run in memory already resident, and the resident peak would hardly move.
     child = (
         "import json, torch\n"
-        "from minillm.config import ModelConfig\n"
+        "from minillm.model.config import ModelConfig\n"
         "from minillm.engine.memory import profile_peak\n"
-        "from minillm.model import GPT\n"
+        "from minillm.model.gpt import GPT\n"
         "torch.manual_seed(0)\n"
         "model = GPT(ModelConfig(context_length=512, d_model=256, n_layers=2, n_heads=4)).eval()\n"
         "print(json.dumps(profile_peak(model, block_size=16, max_num_seqs=9, max_num_batched_tokens=4096)))\n"

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from minillm.config import PRESETS, ModelConfig, get_preset
-from minillm.model import (
+from minillm.model.config import PRESETS, ModelConfig, get_preset
+from minillm.model.gpt import (
     GPT,
     count_parameters,
     explicit_attention,

@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from minillm import packed
-from minillm.config import get_preset
+from minillm.speedups import packed
+from minillm.model.config import get_preset
 from minillm.engine import LLM
-from minillm.model import GPT
-from minillm.packed import PackedLinear, PackedTokenEmbedding, pack_weights, packing_unsupported
-from minillm.sampling import SamplingParams
+from minillm.model.gpt import GPT
+from minillm.speedups.packed import PackedLinear, PackedTokenEmbedding, pack_weights, packing_unsupported
+from minillm.decoding.sampling import SamplingParams
 
 
 def _model() -> GPT:

@@ -1,4 +1,4 @@
-"""Tensor parallelism (minillm.parallel): sharding, communication counts, and two gloo
+"""Tensor parallelism (minillm.distributed.tensor): sharding, communication counts, and two gloo
 processes on the CPU giving the single-process model's logits and greedy tokens."""
 
 import os
@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from minillm.cli import UsageError
-from minillm.config import ModelConfig, get_preset
+from minillm.model.config import ModelConfig, get_preset
 from minillm.engine import LLM, EngineConfig, SamplingParams
-from minillm.model import GPT
-from minillm.parallel import (
+from minillm.model.gpt import GPT
+from minillm.distributed.tensor import (
     allreduce_volume, check_tensor_parallel_size, shard_config, shard_gpt, shard_state_dict, weights_per_rank,
 )
-from minillm.parallel_measure import check_equivalence, measure_decode_step
+from minillm.distributed.tensor_measure import check_equivalence, measure_decode_step
 
 TINY = get_preset("tiny")  # d_model 64, 4 heads, 2 layers
 # Sums in a different order (per rank, then across ranks) move float32 logits of size ~10 by
@@ -127,7 +127,7 @@ def test_a_size_that_does_not_divide_the_heads_is_refused(model):
 
 
 def test_the_server_reports_a_bad_size_as_a_usage_error(model, tmp_path):
-    from minillm.checkpoint import save_checkpoint
+    from minillm.model.checkpoint import save_checkpoint
     from server.__main__ import main
 
     path = save_checkpoint(tmp_path / "ckpt.pt", {"model": model.state_dict(), "model_config": TINY.to_dict()})
@@ -177,9 +177,9 @@ def _gone(pid: int) -> bool:
 def test_workers_exit_when_rank_0_dies():
     code = (
         "import os, signal\n"
-        "from minillm.config import get_preset\n"
-        "from minillm.model import GPT\n"
-        "from minillm.parallel_engine import TensorParallelGPT\n"
+        "from minillm.model.config import get_preset\n"
+        "from minillm.model.gpt import GPT\n"
+        "from minillm.distributed.tensor_workers import TensorParallelGPT\n"
         "tp = TensorParallelGPT(GPT(get_preset('tiny')), 2)\n"
         "print(tp.workers.processes[0].pid, flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"

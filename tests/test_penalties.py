@@ -9,8 +9,8 @@ from models import tiny_model
 
 from minillm.engine import LLM, SamplingParams
 from minillm.engine import model_runner
-from minillm.model import GPT
-from minillm.penalties import adjust_logits_
+from minillm.model.gpt import GPT
+from minillm.decoding.penalties import adjust_logits_
 
 EOS = 7
 

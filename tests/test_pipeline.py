@@ -1,4 +1,4 @@
-"""Pipeline parallelism (minillm.pipeline, minillm.pipeline_engine): the split, the stages
+"""Pipeline parallelism (minillm.distributed.pipeline, minillm.distributed.pipeline_workers): the split, the stages
 chained in one process, and two gloo processes giving the single-process engine's greedy
 tokens with micro-batches in flight, preemption and an abort."""
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from minillm.cli import UsageError
-from minillm.config import ModelConfig, get_preset
+from minillm.model.config import ModelConfig, get_preset
 from minillm.engine import LLM, EngineConfig, SamplingParams
-from minillm.model import GPT
-from minillm.pipeline import (
+from minillm.model.gpt import GPT
+from minillm.distributed.pipeline import (
     PipelineStage,
     check_pipeline_parallel_size,
     pipeline_volume,
@@ -23,7 +23,7 @@ from minillm.pipeline import (
     stage_state_dict,
     stage_weights,
 )
-from minillm.pipeline_engine import PipelineParallelGPT
+from minillm.distributed.pipeline_workers import PipelineParallelGPT
 
 TINY = get_preset("tiny")  # d_model 64, 2 layers
 PROMPTS = [[464, 3290, 373, 257, 1310, 286], list(range(100, 140)), [50256], list(range(900, 917)), [7, 8, 9]]
@@ -104,7 +104,7 @@ def test_a_bad_size_names_the_flag(model):
 
 
 def test_the_server_reports_a_bad_size_as_a_usage_error(model, tmp_path):
-    from minillm.checkpoint import save_checkpoint
+    from minillm.model.checkpoint import save_checkpoint
     from server.__main__ import main
 
     path = save_checkpoint(tmp_path / "ckpt.pt", {"model": model.state_dict(), "model_config": TINY.to_dict()})
@@ -178,9 +178,9 @@ def _gone(pid: int) -> bool:
 def test_a_stage_exits_when_rank_0_dies_mid_forward():
     code = (
         "import os, signal, torch\n"
-        "from minillm.config import get_preset\n"
-        "from minillm.model import GPT\n"
-        "from minillm.pipeline_engine import PipelineParallelGPT\n"
+        "from minillm.model.config import get_preset\n"
+        "from minillm.model.gpt import GPT\n"
+        "from minillm.distributed.pipeline_workers import PipelineParallelGPT\n"
         "pp = PipelineParallelGPT(GPT(get_preset('tiny')), 2)\n"
         "print(pp.workers.processes[0].pid, flush=True)\n"
         "with torch.inference_mode():\n"
@@ -210,7 +210,7 @@ def test_pipelined_forwards_are_waited_for_in_order(model):
 
 
 def test_the_bubble_measurement_reports_each_stage(model):
-    from minillm.pipeline_measure import measure_bubble, predict_utilisation
+    from minillm.distributed.pipeline_measure import measure_bubble, predict_utilisation
 
     rows = measure_bubble(model, stages=2, micro_batches=(1, 2), micro_batch_size=2, prompt_len=4, rounds=2, repeats=1)
     assert [(r["setup"], r["batch"]) for r in rows] == [
@@ -227,7 +227,7 @@ def test_the_bubble_measurement_reports_each_stage(model):
 
 
 def test_the_chapters_equivalence_check_counts_what_it_sends(model):
-    from minillm.pipeline_measure import check_pipeline_equivalence
+    from minillm.distributed.pipeline_measure import check_pipeline_equivalence
 
     prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[4]]  # 1 + 2 + 1 blocks admitted, then they grow: preemption
     threads = torch.get_num_threads()

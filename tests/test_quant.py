@@ -8,12 +8,12 @@ import platform
 import pytest
 import torch
 
-from minillm import quant
-from minillm.config import ModelConfig
+from minillm.speedups import quant
+from minillm.model.config import ModelConfig
 from minillm.engine import LLM, SamplingParams
-from minillm.generate import generate_kv_cache, generate_naive
-from minillm.model import GPT
-from minillm.quant import (
+from minillm.decoding.generate import generate_kv_cache, generate_naive
+from minillm.model.gpt import GPT
+from minillm.speedups.quant import (
     _TILE_PROBE,
     FUSED_MAX_ROWS,
     SCHEMES,
@@ -31,7 +31,7 @@ from minillm.quant import (
     quantize_model,
     unpack_int4,
 )
-from minillm.quant import _aten_int4_all_rows, _aten_int4_rows, _tile_from_probe
+from minillm.speedups.quant import _aten_int4_all_rows, _aten_int4_rows, _tile_from_probe
 
 
 def weights(rows: int = 48, cols: int = 128, seed: int = 0) -> torch.Tensor:

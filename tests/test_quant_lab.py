@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from minillm.bench import quant as lab
 from minillm.bench.__main__ import main
 from minillm.bench.quant import agreement, markdown_table
-from minillm.checkpoint import save_checkpoint
+from minillm.model.checkpoint import save_checkpoint
 from minillm.cli import UsageError
-from minillm.config import get_preset
-from minillm.data import BatchSampler, prepare_corpus
-from minillm.model import GPT
-from minillm.train import TrainConfig, lr_at, make_optimizer, resolve, train_step
+from minillm.model.config import get_preset
+from minillm.data.corpus import BatchSampler, prepare_corpus
+from minillm.model.gpt import GPT
+from minillm.train.trainer import TrainConfig, lr_at, make_optimizer, resolve, train_step
 
 
 @pytest.fixture

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from minillm.checkpoint import save_checkpoint
+from minillm.model.checkpoint import save_checkpoint
 from minillm.engine import LLM, SamplingParams
-from minillm.quant import QuantEmbedding, QuantLinear
+from minillm.speedups.quant import QuantEmbedding, QuantLinear
 from server.__main__ import build
 from server.config import ServerConfig, parse_args
 from server.launch import start_server

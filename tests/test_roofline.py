@@ -6,11 +6,11 @@ import torch
 from matplotlib.figure import Figure
 from torch.utils.flop_counter import FlopCounterMode
 
-from minillm.config import ModelConfig, get_preset
-from minillm.generate import ContiguousKVCache
-from minillm.hardware import DeviceSpec, get_spec, measure_machine
-from minillm.model import GPT, explicit_attention
-from minillm.roofline import (
+from minillm.model.config import ModelConfig, get_preset
+from minillm.decoding.generate import ContiguousKVCache
+from minillm.machine.hardware import DeviceSpec, get_spec, measure_machine
+from minillm.model.gpt import GPT, explicit_attention
+from minillm.machine.roofline import (
     decode_roof,
     decode_step_cost,
     max_intensity,

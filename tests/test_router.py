@@ -25,14 +25,14 @@ import pytest
 from aiohttp import web
 
 from minillm.cli import UsageError
-from server import router
+from server.router import __main__ as router
 from server.launch import ServerProcess, stop_all
-from server.replicas import Replica, ReplicaSet, parse_load
-from server.router import ROUTER, _until_signalled, create_router, running, spawn_replicas
-from server.router_proxy import CLIENT_GONE
-from server.router_config import RouterConfig, parse_router_args
+from server.router.replicas import Replica, ReplicaSet, parse_load
+from server.router.__main__ import ROUTER, _until_signalled, create_router, running, spawn_replicas
+from server.router.proxy import CLIENT_GONE
+from server.router.config import RouterConfig, parse_router_args
 from server.wire import MAX_BODY_BYTES
-from server.routing import (LeastOutstanding, LoadAware, PrefixAffinity, RoundRobin, affinity_key, make_policy)
+from server.router.policy import (LeastOutstanding, LoadAware, PrefixAffinity, RoundRobin, affinity_key, make_policy)
 
 # ----------------------------------------------------------------------------- policies (pure)
 
@@ -646,7 +646,7 @@ def test_a_second_ctrl_c_kills_the_spawned_replicas_at_once(monkeypatch) -> None
 
 
 def test_the_shared_prefix_workload_shares_exactly_its_prefixes() -> None:
-    from server.router_bench import QUICK, shared_prefix_prompts
+    from server.router.bench import QUICK, shared_prefix_prompts
 
     prompts = shared_prefix_prompts(QUICK, seed=1)
     assert len(prompts) == QUICK.prefix_requests

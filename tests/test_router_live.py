@@ -14,13 +14,13 @@ import aiohttp
 import pytest
 import torch
 
-from minillm.checkpoint import save_checkpoint
-from minillm.config import ModelConfig
-from minillm.model import GPT
+from minillm.model.checkpoint import save_checkpoint
+from minillm.model.config import ModelConfig
+from minillm.model.gpt import GPT
 from server.launch import stop_all
-from server.replicas import parse_load
-from server.router import ROUTER, create_router, running, spawn_replicas
-from server.router_config import RouterConfig
+from server.router.replicas import parse_load
+from server.router.__main__ import ROUTER, create_router, running, spawn_replicas
+from server.router.config import RouterConfig
 
 
 @pytest.fixture(scope="module")

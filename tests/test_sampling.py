@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from minillm.sampling import GREEDY_TEMPERATURE, SAMPLE_CHUNK_ROWS, SEED_MAX, SEED_MIN, SamplingParams, _filter, _invert_cdf, distribution, make_generator, sample
+from minillm.decoding.sampling import GREEDY_TEMPERATURE, SAMPLE_CHUNK_ROWS, SEED_MAX, SEED_MIN, SamplingParams, _filter, _invert_cdf, distribution, make_generator, sample
 
 VOCAB = 1000
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from minillm.engine.block_allocator import BlockAllocator
 from minillm.engine.scheduler import RequestRejected, Scheduler, SchedulerOutput
 from minillm.engine.sequence import FinishReason, Sequence, SequenceStatus
-from minillm.sampling import SamplingParams
+from minillm.decoding.sampling import SamplingParams
 
 EOS = 0
 

@@ -21,11 +21,11 @@ import torch
 from aiohttp.test_utils import TestClient, TestServer
 from test_server_live import Gate
 
-from minillm.config import ModelConfig
+from minillm.model.config import ModelConfig
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import EngineStats, LLMEngine
-from minillm.model import GPT
-from minillm.tokenizer import get_tokenizer
+from minillm.model.gpt import GPT
+from minillm.data.tokenizer import get_tokenizer
 from server.app import STATE, State, create_app
 from server.config import ServerConfig
 from server.engine_loop import AsyncEngine

@@ -23,8 +23,8 @@ from test_server import GREEDY, metric, model, run, serving, settled, sse_events
 from minillm.engine.config import EngineConfig
 
 from minillm.engine.llm_engine import LLMEngine
-from minillm.model import GPT
-from minillm.tokenizer import get_tokenizer
+from minillm.model.gpt import GPT
+from minillm.data.tokenizer import get_tokenizer
 from server.app import STATE, create_app
 from server.config import ServerConfig
 from server.engine_loop import AsyncEngine

@@ -26,12 +26,12 @@ import pytest
 from aiohttp import web
 from models import tiny_model
 
-from minillm.checkpoint import save_checkpoint
+from minillm.model.checkpoint import save_checkpoint
 from minillm.cli import UsageError
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import EngineStats, LLMEngine
-from minillm.model import GPT
-from minillm.tokenizer import get_tokenizer
+from minillm.model.gpt import GPT
+from minillm.data.tokenizer import get_tokenizer
 from server.__main__ import banner, build, serve
 from server.app import STATE, create_app
 from server.config import ServerConfig

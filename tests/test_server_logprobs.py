@@ -10,8 +10,8 @@ import torch
 from models import tiny_model
 from test_server_live import live_server, small_engine
 
-from minillm.model import GPT
-from minillm.tokenizer import get_tokenizer
+from minillm.model.gpt import GPT
+from minillm.data.tokenizer import get_tokenizer
 
 TOLERANCE = 1e-4
 GREEDY = dict(model="minillm", temperature=0, max_tokens=6, extra_body={"ignore_eos": True})

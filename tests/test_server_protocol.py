@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from minillm.cli import UsageError
-from minillm.model import GPT
-from minillm.tokenizer import Tokenizer, get_tokenizer
+from minillm.model.gpt import GPT
+from minillm.data.tokenizer import Tokenizer, get_tokenizer
 from server.config import ServerConfig, build_parser, env_name, parse_args
 from server.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, MAX_CHOICES, MAX_STOP_CHARS, MAX_STOPS, MAX_TEMPERATURE,
                              GenerationRequest, ModelCard, chat_prompt, parse_chat, parse_completion)

@@ -17,8 +17,8 @@ from test_server_live import Live, live_server, model, small_engine  # noqa: F40
 from minillm.engine.config import EngineConfig
 
 from minillm.engine.llm_engine import LLMEngine
-from minillm.model import GPT
-from minillm.tokenizer import get_tokenizer
+from minillm.model.gpt import GPT
+from minillm.data.tokenizer import get_tokenizer
 import server.app
 from server.app import STATE
 

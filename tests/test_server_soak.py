@@ -22,8 +22,8 @@ from test_server_live import Live, live_server, model  # noqa: F401 (model: fixt
 import server.app
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
-from minillm.model import GPT
-from minillm.tokenizer import get_tokenizer
+from minillm.model.gpt import GPT
+from minillm.data.tokenizer import get_tokenizer
 from server.app import STATE
 
 CLIENTS = {"stream": 100, "whole": 40, "bad": 60, "hang_up": 40, "slow": 20, "stalled": 10}

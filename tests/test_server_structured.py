@@ -11,7 +11,7 @@ from models import tiny_model
 from test_server_live import live_server, small_engine
 from test_structured import SCHEMAS
 
-from minillm.tokenizer import get_tokenizer
+from minillm.data.tokenizer import get_tokenizer
 
 CHAT = [{"role": "user", "content": "Tell me about your pet."}]
 

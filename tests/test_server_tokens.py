@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from test_server import CONTEXT, model, run, serving, state  # noqa: F401 (model is a fixture)
 
-from minillm.model import GPT
-from minillm.tokenizer import get_tokenizer
+from minillm.model.gpt import GPT
+from minillm.data.tokenizer import get_tokenizer
 from server.protocol import chat_prompt, parse_chat
 
 TRICKY = "Once upon a time 🐈‍⬛ met a 🦊.\n\n  Tabs\there, \"quotes\", <|endoftext|> and é/e\u0301 — done\n"

@@ -11,12 +11,12 @@ import itertools
 import pytest
 import torch
 
-from minillm.config import ModelConfig
-from minillm.drafters import ModelDrafter, NgramDrafter
-from minillm.generate import ContiguousKVCache, generate_kv_cache
-from minillm.model import GPT
-from minillm.sampling import SamplingParams
-from minillm.speculative import Draft, accept, distribution, generate_speculative, rollback
+from minillm.model.config import ModelConfig
+from minillm.speedups.speculative.drafters import ModelDrafter, NgramDrafter
+from minillm.decoding.generate import ContiguousKVCache, generate_kv_cache
+from minillm.model.gpt import GPT
+from minillm.decoding.sampling import SamplingParams
+from minillm.speedups.speculative.rule import Draft, accept, distribution, generate_speculative, rollback
 
 SMALL = ModelConfig(context_length=64, d_model=32, n_layers=2, n_heads=4, vocab_size=512)
 
@@ -218,7 +218,7 @@ def test_per_position_acceptance_recovers_alpha_and_predicts_tokens_per_pass() -
     import random
 
     from minillm.bench.speculative import expected_speedup, expected_tokens_per_pass
-    from minillm.speculative import SpeculativeStats
+    from minillm.speedups.speculative.rule import SpeculativeStats
 
     rng = random.Random(0)
     alpha = 0.7

@@ -12,17 +12,17 @@ from dataclasses import replace
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from minillm.checkpoint import save_checkpoint
+from minillm.model.checkpoint import save_checkpoint
 from minillm.cli import UsageError
-from minillm.config import ModelConfig
+from minillm.model.config import ModelConfig
 from minillm.engine.llm import LLM
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.build import build_speculator
-from minillm.engine.speculator import Speculator
-from minillm.model import GPT
-from minillm.sampling import SamplingParams
-from minillm.tokenizer import get_tokenizer
+from minillm.speedups.speculative.speculator import Speculator
+from minillm.model.gpt import GPT
+from minillm.decoding.sampling import SamplingParams
+from minillm.data.tokenizer import get_tokenizer
 from server.__main__ import build
 from server.app import create_app
 from server.config import ServerConfig, parse_args

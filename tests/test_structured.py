@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillm.engine import LLM
-from minillm.sampling import SamplingParams
-from minillm.structured import GrammarCompiler, mask_logits_, token_bias
-from minillm.tokenizer import get_tokenizer
+from minillm.decoding.sampling import SamplingParams
+from minillm.decoding.structured import GrammarCompiler, mask_logits_, token_bias
+from minillm.data.tokenizer import get_tokenizer
 from models import tiny_model
 
 SCHEMAS = {

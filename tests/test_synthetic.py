@@ -1,7 +1,7 @@
 import random
 import re
 
-from minillm.synthetic import PLOTS, generate_stories, make_character, story
+from minillm.data.synthetic import PLOTS, generate_stories, make_character, story
 
 
 def test_deterministic_from_seed():
@@ -64,7 +64,7 @@ def test_pronouns_match_the_character():
 
 
 def test_story_names_finds_the_cast_in_order_and_skips_grown_ups():
-    from minillm.synthetic import story_names
+    from minillm.data.synthetic import story_names
 
     text = 'Once, there was a shy girl named May. Aunt May smiled. "Hi, Tom!" said May. Maybe Tommy came.'
     assert story_names(text) == ["May", "Tom", "May"]  # not Aunt May, not inside Maybe or Tommy

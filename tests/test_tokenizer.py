@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from minillm.tokenizer import bpe_files, get_tokenizer, load_encoding
+from minillm.data.tokenizer import bpe_files, get_tokenizer, load_encoding
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_corrupted_bpe_file_is_refused(tmp_path, monkeypatch):
 
 def test_tiktoken_writes_only_inside_the_project_cache(tmp_path):
     code = (
-        "import os; from minillm.tokenizer import get_tokenizer; get_tokenizer(); "
+        "import os; from minillm.data.tokenizer import get_tokenizer; get_tokenizer(); "
         "print(os.environ['TIKTOKEN_CACHE_DIR'])"
     )
     env = {k: v for k, v in os.environ.items() if k != "TIKTOKEN_CACHE_DIR"}

@@ -7,11 +7,11 @@ import sys
 import pytest
 import torch
 
-from minillm.checkpoint import load_model, load_state, preset_dir
-from minillm.train import load_or_train
-from minillm.data import BatchSampler, prepare_corpus
-from minillm.model import GPT
-from minillm.train import TrainConfig, evaluate, lr_at, make_optimizer, resolve, train, train_step
+from minillm.model.checkpoint import load_model, load_state, preset_dir
+from minillm.train.trainer import load_or_train
+from minillm.data.corpus import BatchSampler, prepare_corpus
+from minillm.model.gpt import GPT
+from minillm.train.trainer import TrainConfig, evaluate, lr_at, make_optimizer, resolve, train, train_step
 
 SMALL = dict(preset="tiny", data="synthetic", max_stories=200, dtype="float32", progress=False, eval_batches=2)
 
@@ -152,7 +152,7 @@ def test_bad_flags_give_one_line(home, args, words):
 
 
 def test_quick_runs_keep_their_checkpoints_apart(home, monkeypatch) -> None:
-    from minillm.checkpoint import preset_dir
+    from minillm.model.checkpoint import preset_dir
 
     monkeypatch.setenv("MINILLM_QUICK", "1")
     quick_dir = preset_dir("cpu")
@@ -162,7 +162,7 @@ def test_quick_runs_keep_their_checkpoints_apart(home, monkeypatch) -> None:
 
 
 def test_measure_throughput_is_tokens_over_step_time(monkeypatch) -> None:
-    from minillm import train as T
+    from minillm.train import trainer as T
 
     now = [500.0]  # a fake clock: it moves only when a step says so, so the rate is exact
     durations = [2.0, 0.25, 0.125, 0.5]  # a slow warm-up, then three timed steps
@@ -198,7 +198,7 @@ def test_every_version_of_the_step_trains_the_same_weights() -> None:
 
 
 def test_the_forecast_is_steps_and_evaluations_at_the_measured_rate(monkeypatch) -> None:
-    from minillm import train as T
+    from minillm.train import trainer as T
 
     monkeypatch.setattr(T, "measure_throughput", lambda *a, **k: 1000.0)
     text = T.forecast(TrainConfig(preset="tiny", max_tokens=60 * 8 * 64, eval_every=30, eval_batches=3, batch_size=8, device="cpu"))
@@ -212,7 +212,7 @@ def test_the_forecast_is_steps_and_evaluations_at_the_measured_rate(monkeypatch)
     (True, 900e9, 244e9, torch.bfloat16),  # AMX: bf16 pays
 ])
 def test_auto_trains_a_cpu_in_bf16_only_where_it_measures_faster(monkeypatch, has_units, bf16, fp32, expected) -> None:
-    import minillm.train as T
+    import minillm.train.trainer as T
 
     monkeypatch.setattr(T, "cpu_has_bf16_matmul", lambda: has_units)
     monkeypatch.setattr(T, "measure_matmul_flops", lambda device, dtype, n: bf16 if dtype == torch.bfloat16 else fp32)
@@ -227,8 +227,8 @@ def test_auto_trains_a_cpu_in_bf16_only_where_it_measures_faster(monkeypatch, ha
 
 @pytest.mark.parametrize("dtype, peak_name", [("float32", "fp32"), ("bfloat16", "bf16")])
 def test_the_bar_s_mfu_divides_by_the_peak_of_the_dtype_the_matmuls_run_in(home, monkeypatch, capsys, dtype, peak_name) -> None:
-    import minillm.train as T
-    from minillm.model import training_flops_per_token
+    import minillm.train.trainer as T
+    from minillm.model.gpt import training_flops_per_token
 
     # Peaks far apart, so dividing by the other dtype's would be off by 4x.
     peaks = {torch.float32: 100e9, torch.bfloat16: 400e9}

@@ -19,11 +19,11 @@ from minillm.bench import speculative as speculative_bench
 from minillm.bench import training as training_bench
 from minillm.bench.engine import load_weights
 from minillm.cli import ArgumentParser, UsageError, run
-from minillm.config import PRESETS, get_preset
-from minillm.hardware import default_device, device_name
-from minillm.model import GPT
+from minillm.model.config import PRESETS, get_preset
+from minillm.machine.hardware import default_device, device_name
+from minillm.model.gpt import GPT
 from minillm.settings import project_root, quick
-from minillm.units import resolve_dtype
+from minillm.machine.hardware import resolve_dtype
 
 
 def parse_range(text: str) -> tuple[int, int]:

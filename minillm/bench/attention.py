@@ -3,7 +3,7 @@ with each attention backend.
 
 On a CUDA GPU it times the naive three-kernel attention, the Triton FlashAttention kernel and
 ``scaled_dot_product_attention`` for sequence lengths up to 8,192, and converts each time into
-an achieved bandwidth using the traffic model's bytes (``minillm.kernels.traffic``); then it
+an achieved bandwidth using the traffic model's bytes (``minillm.speedups.kernels.traffic``); then it
 measures the engine's decode throughput with ``attention="torch"`` and ``"triton"``.
 
 Without a GPU, Triton kernels only run in the interpreter, whose speed says nothing about the
@@ -20,15 +20,15 @@ from dataclasses import asdict, dataclass
 import torch
 
 from minillm.cli import UsageError
-from minillm.config import PRESETS
+from minillm.model.config import PRESETS
 from minillm.bench.engine import load_weights
 from minillm.engine.llm import LLM
-from minillm.hardware import default_device, device_name, time_repeats
-from minillm.kernels import naive_attention, naive_bytes, tiled_attention, tiled_bytes
-from minillm.model import GPT
-from minillm.sampling import SamplingParams
+from minillm.machine.hardware import default_device, device_name, time_repeats
+from minillm.speedups.kernels import naive_attention, naive_bytes, tiled_attention, tiled_bytes
+from minillm.model.gpt import GPT
+from minillm.decoding.sampling import SamplingParams
 from minillm.settings import quick
-from minillm.units import resolve_dtype
+from minillm.machine.hardware import resolve_dtype
 
 GPU_SEQ_LENS = (128, 256, 512, 1024, 2048, 4096, 8192)
 CPU_SEQ_LENS = (128, 256, 512, 1024)
@@ -80,7 +80,7 @@ def implementations(device: torch.device) -> dict[str, tuple]:
                  lambda t, d, h, b, e: tiled_bytes(t, t, d, block_q=TILED_BLOCK, block_k=TILED_BLOCK, causal=True,
                                                    heads=h, batch=b, dtype_bytes=e).total)
         return {"naive": naive, "tiled (PyTorch)": tiled, "sdpa": (sdpa, None)}
-    from minillm.kernels.flash_triton import flash_attention
+    from minillm.speedups.kernels.flash_triton import flash_attention
 
     triton = (lambda q, k, v: flash_attention(q, k, v, causal=True, block_m=TRITON_BLOCK, block_n=TRITON_BLOCK),
               lambda t, d, h, b, e: tiled_bytes(t, t, d, block_q=TRITON_BLOCK, block_k=TRITON_BLOCK, causal=True,

@@ -5,8 +5,8 @@ the rate is ``B x (tokens decoded)`` over the decode steps' time (prefill exclud
 ``B`` in 1, 8, 32, 64, on the same weights, in one run:
 
 - our engine three ways: the plain reference (``enforce_eager=True``), eager with weights
-  prepacked for oneDNN (:mod:`minillm.packed`, a CPU's default), and captured
-  (:mod:`minillm.engine.decode_graphs`: Inductor on a CPU, CUDA graphs on a GPU);
+  prepacked for oneDNN (:mod:`minillm.speedups.packed`, a CPU's default), and captured
+  (:mod:`minillm.speedups.decode_graphs`: Inductor on a CPU, CUDA graphs on a GPU);
 - ``transformers`` ``generate`` (static batch, its own KV cache), decode time taken as the
   time for ``NEW_TOKENS`` tokens minus the time for one;
 - llama.cpp on the GGUF of the same weights, when ``make llamacpp`` has built it:
@@ -30,10 +30,10 @@ import torch
 from minillm.bench import llamacpp
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
-from minillm.hardware import measure_bandwidth, measure_matmul_flops
-from minillm.model import GPT, matmul_parameters
-from minillm.sampling import SamplingParams
-from minillm.train import cpu_has_bf16_matmul
+from minillm.machine.hardware import measure_bandwidth, measure_matmul_flops
+from minillm.model.gpt import GPT, matmul_parameters
+from minillm.decoding.sampling import SamplingParams
+from minillm.train.trainer import cpu_has_bf16_matmul
 
 PROMPT_LEN = 16
 NEW_TOKENS = 128
@@ -92,7 +92,7 @@ def load_hf(model: GPT):
         from transformers import GPT2LMHeadModel
     except ImportError:
         return None
-    from minillm.hf import export_hf
+    from minillm.export.hf import export_hf
 
     with tempfile.TemporaryDirectory() as tmp:
         hf = GPT2LMHeadModel.from_pretrained(export_hf(model, tmp), dtype=model.dtype)
@@ -104,7 +104,7 @@ def llamacpp_rates(model: GPT, batches: list[int], new_tokens: int, dtype: str) 
     when its programs are not built."""
     if not llamacpp.available():
         return None
-    from minillm.gguf_export import export_gguf
+    from minillm.export.gguf import export_gguf
 
     with tempfile.TemporaryDirectory() as tmp:
         path = export_gguf(model, Path(tmp) / "model.gguf", dtype)

@@ -18,12 +18,12 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from minillm.checkpoint import CHECKPOINT_NAME, load_model, preset_dir
-from minillm.config import get_preset
+from minillm.model.checkpoint import CHECKPOINT_NAME, load_model, preset_dir
+from minillm.model.config import get_preset
 from minillm.engine import LLM, SamplingParams
-from minillm.generate import generate_kv_cache, generate_naive, generate_static_batch
-from minillm.hardware import measure_bandwidth, median_seconds
-from minillm.model import GPT
+from minillm.decoding.generate import generate_kv_cache, generate_naive, generate_static_batch
+from minillm.machine.hardware import measure_bandwidth, median_seconds
+from minillm.model.gpt import GPT
 
 
 def load_weights(preset: str, device: torch.device) -> tuple[GPT, str]:
@@ -146,7 +146,7 @@ def run_hf(model: GPT, w: Workload, batch_size: int) -> Result | None:
         from transformers import GPT2LMHeadModel
     except ImportError:
         return None
-    from minillm.hf import export_hf
+    from minillm.export.hf import export_hf
 
     with tempfile.TemporaryDirectory() as tmp:
         hf = GPT2LMHeadModel.from_pretrained(export_hf(model, tmp), dtype=model.dtype)

@@ -25,11 +25,11 @@ import torch
 from minillm.engine.config import EngineConfig
 
 from minillm.engine.llm_engine import LLMEngine
-from minillm.hardware import Timing, device_name
-from minillm.model import GPT
-from minillm.sampling import SamplingParams
-from minillm.structured import GrammarCompiler
-from minillm.tokenizer import get_tokenizer
+from minillm.machine.hardware import Timing, device_name
+from minillm.model.gpt import GPT
+from minillm.decoding.sampling import SamplingParams
+from minillm.decoding.structured import GrammarCompiler
+from minillm.data.tokenizer import get_tokenizer
 
 BATCH = 32
 PROMPT_LEN = 32
@@ -161,7 +161,7 @@ def run_from_args(args, out: Path, model: GPT, source: str) -> Path:
 
 
 def add_arguments(p) -> None:
-    from minillm.config import PRESETS
+    from minillm.model.config import PRESETS
 
     p.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
     p.add_argument("--rounds", type=int, default=30, help="interleaved rounds (median and quartiles)")

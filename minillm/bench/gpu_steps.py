@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from minillm.bench.engine import load_weights
-from minillm.hardware import DTYPES, device_name, first_order_batch, measure_machine
-from minillm.roofline import decode_roof, measure_decode, nearly_free_batch, plot_roofline
+from minillm.machine.hardware import DTYPES, device_name, first_order_batch, measure_machine
+from minillm.machine.roofline import decode_roof, measure_decode, nearly_free_batch, plot_roofline
 from minillm.settings import project_root
 
 GPU_PRESET = "tinystories-50m"
@@ -55,10 +55,10 @@ def versions() -> dict:
 
 def machine(ctx) -> None:
     """Step 1: versions; the offline tokenizer; measured bandwidth, matmul FLOP/s per dtype and
-    ridge (:func:`minillm.hardware.measure_machine`); chapter 1's decode points of the GPU model
-    at batch 1..256, measured under the roof that bounds them (:mod:`minillm.roofline`)."""
+    ridge (:func:`minillm.machine.hardware.measure_machine`); chapter 1's decode points of the GPU model
+    at batch 1..256, measured under the roof that bounds them (:mod:`minillm.machine.roofline`)."""
     ctx.save(versions=versions())
-    from minillm.tokenizer import get_tokenizer
+    from minillm.data.tokenizer import get_tokenizer
 
     ids = get_tokenizer().encode("hello world")
     ctx.save(tokenizer={"hello world": ids, "ok": ids == [31373, 995]})

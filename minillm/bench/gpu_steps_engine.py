@@ -25,11 +25,11 @@ import torch
 from minillm.bench import decode as decode_bench
 from minillm.bench.engine import load_weights
 from minillm.bench.gpu_steps import shape
-from minillm.checkpoint import CHECKPOINT_NAME, save_checkpoint
-from minillm.config import get_preset
-from minillm.hardware import DTYPES, device_name, measure_matmul_flops
-from minillm.model import training_flops_per_token
-from minillm.train import measure_throughput
+from minillm.model.checkpoint import CHECKPOINT_NAME, save_checkpoint
+from minillm.model.config import get_preset
+from minillm.machine.hardware import DTYPES, device_name, measure_matmul_flops
+from minillm.model.gpt import training_flops_per_token
+from minillm.train.trainer import measure_throughput
 
 EPOCH_TOKENS = 470e6  # TinyStories' training split, about, in GPT-2 tokens
 GPU_BATCH_GROUPS = ((1, 8, 32), (64, 128, 256))  # measured and saved group by group

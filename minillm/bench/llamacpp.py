@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from minillm.gguf_export import gguf_context_length
+from minillm.export.gguf import gguf_context_length
 from minillm.settings import home
 
 BIN_ENV = "MINILLM_LLAMACPP_BIN"
@@ -63,7 +63,7 @@ def _model(gguf_path: str | Path, positions: int | None = None) -> Path:
     model has a learned table of positions, and llama.cpp cannot run past its end."""
     path = Path(gguf_path)
     if not path.is_file():
-        raise LlamaCppError(f"no GGUF file at {path} (write one with minillm.gguf_export.export_gguf)")
+        raise LlamaCppError(f"no GGUF file at {path} (write one with minillm.export.gguf.export_gguf)")
     if positions is not None and positions > (context := gguf_context_length(path)):
         raise LlamaCppError(f"{positions} positions are beyond the model's context of {context}")
     return path

@@ -14,7 +14,7 @@ profile says how far from that the engine is, and why, in two views of the same 
 
 It runs the engine the three ways the decode benchmark does (:data:`minillm.bench.decode.ENGINES`):
 the plain reference, eager with packed weights, and captured
-(:mod:`minillm.engine.decode_graphs`), whose forward and LM head are one program.
+(:mod:`minillm.speedups.decode_graphs`), whose forward and LM head are one program.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from minillm.bench.decode import ENGINES, prompts
 from minillm.engine import model_runner
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
-from minillm.model import GPT
-from minillm.sampling import SamplingParams
+from minillm.model.gpt import GPT
+from minillm.decoding.sampling import SamplingParams
 
 OPERATOR_KINDS = {
     "matrix products": ("mm", "addmm", "bmm", "linear", "matmul", "baddbmm", "_weight_int8pack_mm",

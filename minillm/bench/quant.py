@@ -1,13 +1,13 @@
 """The quantization lab: one trained checkpoint in every number format, measured side by side.
 
-For each format (fp32, bf16, fp16 weights; int8 and int4 weight-only from ``minillm.quant``)
+For each format (fp32, bf16, fp16 weights; int8 and int4 weight-only from ``minillm.speedups.quant``)
 it measures what the format costs and what it buys:
 
 - load time and memory, each in a fresh process (``ru_maxrss`` is a high-water mark, so
   formats measured in one process would hide each other's peaks): the weights' bytes, the
   process's resident memory once loaded and its peak while loading;
 - time to first token and decode rates at batch 1 and at a wide batch, on the paged engine;
-- validation perplexity and bits per byte (``minillm.train.evaluate``), and how often greedy
+- validation perplexity and bits per byte (``minillm.train.trainer.evaluate``), and how often greedy
   decoding picks the same tokens as fp32 over the same prompts;
 - the batch-1 decode rate against its own bandwidth roofline (weight and KV bytes per step
   over measured bandwidth): fewer bytes raise the bound, and the table says how much of that
@@ -32,14 +32,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minillm.checkpoint import load_model, load_state
-from minillm.data import Corpus, prepare_corpus
+from minillm.model.checkpoint import load_model, load_state
+from minillm.data.corpus import Corpus, prepare_corpus
 from minillm.engine import LLM, LLMEngine, SamplingParams
 from minillm.engine.config import EngineConfig
-from minillm.hardware import DTYPES, device_name, measure_bandwidth, median_seconds
-from minillm.model import GPT
-from minillm.quant import SCHEMES, cast_and_quantize, kernels_used, model_bytes
-from minillm.train import evaluate
+from minillm.machine.hardware import DTYPES, device_name, measure_bandwidth, median_seconds
+from minillm.model.gpt import GPT
+from minillm.speedups.quant import SCHEMES, cast_and_quantize, kernels_used, model_bytes
+from minillm.train.trainer import evaluate
 
 FORMATS = ("fp32", "bf16", "fp16", "int8", "int4")
 
@@ -365,10 +365,10 @@ def add_arguments(p) -> None:
 
 def run_from_args(args, out: Path) -> dict:
     """Check the options, run the lab on the checkpoint, print the table, save JSON and a plot."""
-    from minillm.checkpoint import CHECKPOINT_NAME, preset_dir
-    from minillm.train import load_or_train
+    from minillm.model.checkpoint import CHECKPOINT_NAME, preset_dir
+    from minillm.train.trainer import load_or_train
     from minillm.cli import UsageError
-    from minillm.hardware import default_device
+    from minillm.machine.hardware import default_device
     from minillm.settings import quick
 
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]

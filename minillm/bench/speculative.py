@@ -12,7 +12,7 @@ drafted token is accepted given that the earlier ones in its round were) and cos
 draft step over a target step), Leviathan et al. (2023) expect ``(1 - alpha^(k+1)) / (1 - alpha)``
 tokens per target pass and a speedup of ``(1 - alpha^(k+1)) / ((1 - alpha) * (k * c + 1))`` when
 verification costs one target step. ``alpha`` is estimated from the counts as accepted tokens
-over judged ones (:attr:`~minillm.speculative.SpeculativeStats.per_position_acceptance`), not as
+over judged ones (:attr:`~minillm.speedups.speculative.rule.SpeculativeStats.per_position_acceptance`), not as
 accepted over drafted: that ratio also counts the tokens after a round's first rejection, which
 the target never judged, so it falls with ``k`` and would count the truncation twice.
 """
@@ -26,13 +26,13 @@ from typing import Callable
 import numpy as np
 import torch
 
-from minillm.data import prepare_corpus
-from minillm.drafters import ModelDrafter, NgramDrafter
-from minillm.generate import ContiguousKVCache, generate_kv_cache
-from minillm.hardware import Timing, device_name, median_seconds
-from minillm.model import GPT
-from minillm.speculative import SpeculativeStats, generate_speculative
-from minillm.tokenizer import get_tokenizer
+from minillm.data.corpus import prepare_corpus
+from minillm.speedups.speculative.drafters import ModelDrafter, NgramDrafter
+from minillm.decoding.generate import ContiguousKVCache, generate_kv_cache
+from minillm.machine.hardware import Timing, device_name, median_seconds
+from minillm.model.gpt import GPT
+from minillm.speedups.speculative.rule import SpeculativeStats, generate_speculative
+from minillm.data.tokenizer import get_tokenizer
 
 KS = list(range(1, 9))
 
@@ -289,7 +289,7 @@ def run_from_args(args, out) -> dict:
     """Load (or train) the ``cpu`` target and the ``draft`` model, measure, save JSON and a plot."""
     import json
 
-    from minillm.train import load_or_train
+    from minillm.train.trainer import load_or_train
     from minillm.cli import UsageError
     from minillm.settings import quick
 

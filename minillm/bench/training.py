@@ -5,7 +5,7 @@ Two measurements on random tokens (speed does not depend on what they say):
 - :func:`profile_step` times the parts of one optimizer step: the blocks' forward, the output
   layer with its loss, the backward pass, and clipping with the AdamW update, for the plain
   step (``F.cross_entropy`` over full logits, the unfused AdamW) and for the package's (the
-  chunked fused loss of :mod:`minillm.losses`, PyTorch's fused AdamW);
+  chunked fused loss of :mod:`minillm.model.losses`, PyTorch's fused AdamW);
 - :func:`compare_steps` times whole steps of each version of the step, interleaved round by
   round so that a machine whose speed drifts slows them all alike, and reports the median and
   the spread of tokens per second.
@@ -26,11 +26,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minillm import train as T
-from minillm.config import get_preset
-from minillm.hardware import default_device, device_name
-from minillm.losses import linear_cross_entropy
-from minillm.model import GPT
+from minillm.train import trainer as T
+from minillm.model.config import get_preset
+from minillm.machine.hardware import default_device, device_name
+from minillm.model.losses import linear_cross_entropy
+from minillm.model.gpt import GPT
 
 # name -> (fused loss, fused AdamW), from the plain step to the package's
 VARIANTS = {"plain": (False, False), "fused loss": (True, False), "fused loss + fused AdamW": (True, True)}

@@ -1,4 +1,6 @@
-"""The paged inference engine (chapters 7 and 8), split by responsibility, in data-flow order.
+"""The paged inference engine (chapters 7-9), the core the server runs, split by responsibility,
+in data-flow order. It imports the model, the data and decoding layers, never a speed-up or a
+distributed plug-in: ``build_engine`` wires those in.
 
 - ``sequence``: one request's record: its tokens, status, block table, timings, and what it
   owns while it lives (detokenizer, random generator, drafter).
@@ -8,7 +10,6 @@
 - ``model_runner``: turns a scheduled batch into tensors and runs one forward pass.
 - ``config``: ``EngineConfig``, the pool's size, the step's limits and how the model runs.
 - ``llm_engine``: ``add_request``, ``step`` and ``abort``.
-- ``speculator``: speculative decoding (chapter 14) for steps that decode a single request.
 - ``build``: ``build_engine``, from weights to an engine (load, cast, quantize, split, draft);
   ``llm``: ``LLM.generate`` for offline batches, on top of it.
 
@@ -19,7 +20,7 @@ quantize, so they are imported on first use: ``import minillm.engine`` stays lig
 
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine, RequestOutput
-from minillm.sampling import SamplingParams
+from minillm.decoding.sampling import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams", "build_engine"]
 

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import torch
 
-from minillm.checkpoint import load_model
+from minillm.model.checkpoint import load_model
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.memory import MemoryBudgetError
-from minillm.engine.speculator import Speculator
-from minillm.model import GPT
-from minillm.quant import cast_and_quantize
-from minillm.tokenizer import Tokenizer
-from minillm.units import resolve_dtype
+from minillm.speedups.speculative.speculator import Speculator
+from minillm.model.gpt import GPT
+from minillm.speedups.quant import cast_and_quantize
+from minillm.data.tokenizer import Tokenizer
+from minillm.machine.hardware import resolve_dtype
 
 NGRAM = "ngram"  # the speculative_draft value that asks for prompt lookup instead of a model
 
@@ -69,11 +69,11 @@ def build_engine(
         raise EngineOptionError("quantize" if quantize is not None else "dtype", str(err)) from None
     speculator = build_speculator(speculative_draft, model, num_speculative_tokens)
     if config.tensor_parallel_size > 1:  # this process becomes rank 0; the other shards run in workers
-        from minillm.parallel_engine import TensorParallelGPT  # spawns processes: only when asked
+        from minillm.distributed.tensor_workers import TensorParallelGPT  # spawns processes: only when asked
 
         model = TensorParallelGPT(model.eval(), config.tensor_parallel_size)  # type: ignore[assignment]
     if config.pipeline_parallel_size > 1:  # stage 0 here, one worker process per later stage
-        from minillm.pipeline_engine import PipelineParallelGPT
+        from minillm.distributed.pipeline_workers import PipelineParallelGPT
 
         try:  # a bad size is refused before any process starts
             model = PipelineParallelGPT(model.eval(), config.pipeline_parallel_size)  # type: ignore[assignment]

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.config import ModelConfig
+from minillm.model.config import ModelConfig
 from minillm.engine.kv_cache import ATTENTION_BACKENDS, blocks_for_memory
-from minillm.units import parse_memory
+from minillm.sizes import parse_memory
 
 CPU_KV_CACHE_MEMORY = "1GiB"
 GPU_MEMORY_FRACTION = 0.9
@@ -27,10 +27,10 @@ class EngineConfig:
     step, and the cache gets what remains (:mod:`minillm.engine.memory`); it is refused
     together with ``kv_cache_memory`` or ``num_blocks``, which size the cache alone.
     ``num_blocks`` overrides the byte budgets (tests use tiny pools to force preemption).
-    ``tensor_parallel_size`` splits the model over that many processes (``minillm.parallel``;
+    ``tensor_parallel_size`` splits the model over that many processes (``minillm.distributed.tensor``;
     :func:`minillm.engine.build.build_engine` starts them); both budgets are then per rank,
     each holding its heads. ``pipeline_parallel_size`` splits its blocks into that many stages,
-    one process each (:mod:`minillm.pipeline`); ``kv_cache_memory`` is then per stage, and
+    one process each (:mod:`minillm.distributed.pipeline`); ``kv_cache_memory`` is then per stage, and
     ``pipeline_micro_batches`` (by default as many as stages) is how many batches the engine
     keeps in flight so the stages work at once.
     """
@@ -47,13 +47,13 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     pipeline_micro_batches: int | None = None
     attention: str = "torch"  # "triton": chapter 15's kernels (CUDA, or the interpreter on a CPU)
-    # Decode-only steps as captured programs (minillm.engine.decode_graphs): True keeps every
+    # Decode-only steps as captured programs (minillm.speedups.decode_graphs): True keeps every
     # step eager (the reference); False captures them wherever the model allows (not a
     # tensor-parallel or quantized one); None captures where it is cheap: a CUDA graph records
     # in well under a second, while Inductor compiles and times its matrix kernels for about a
     # minute per batch bucket on a small CPU, which a server pays once and a notebook should not.
     enforce_eager: bool | None = None
-    # Run a copy of the model whose matrices are prepacked for oneDNN (minillm.packed): True
+    # Run a copy of the model whose matrices are prepacked for oneDNN (minillm.speedups.packed): True
     # insists, False keeps the weights as they are, None packs wherever it is supported (a
     # float32 model on a CPU) unless enforce_eager asks for the plain reference path, or
     # memory_budget for memory that stays where it was measured: oneDNN keeps a primitive, with

@@ -10,7 +10,7 @@ The pool is two tensors, ``k`` and ``v``, of shape ``[layers, num_blocks, block_
 head_dim]``. Viewed as ``[layers, num_slots, heads, head_dim]``, slot ``b * block_size + i``
 is position ``i`` of block ``b``. One block more than the allocator hands out, the *pad
 block* (``pad_block``, the last), belongs to no sequence: the padding rows of a captured decode
-step (:mod:`minillm.engine.decode_graphs`) write into it. :class:`PagedAttention` is what the model sees as its
+step (:mod:`minillm.speedups.decode_graphs`) write into it. :class:`PagedAttention` is what the model sees as its
 ``cache`` for one step: it writes the step's new keys and values into their slots, then
 gathers each sequence's keys and values back through its block table to attend over them.
 """
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.config import ModelConfig
-from minillm.model import fused_attention
+from minillm.model.config import ModelConfig
+from minillm.model.gpt import fused_attention
 
 # How the engine attends: "torch" gathers length-sorted groups of decodes and makes one fused
 # attention call per group; "torch-loop" attends one sequence at a time (chapter 8's foil);
@@ -150,7 +150,7 @@ class PagedAttention:
             keys = k_slots.index_select(0, chunk.slots).transpose(0, 1)[None]
             values = v_slots.index_select(0, chunk.slots).transpose(0, 1)[None]
             if self.backend == "triton":
-                from minillm.kernels.flash_triton import flash_attention
+                from minillm.speedups.kernels.flash_triton import flash_attention
 
                 out[:, :, rows] = flash_attention(q[:, :, rows], keys, values, causal=True)
             else:
@@ -194,7 +194,7 @@ class PagedAttention:
 
     def decode_triton(self, layer: int, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         """The same as :meth:`decode_gather`, by the paged Triton kernel: no gather, no padding."""
-        from minillm.kernels.paged_triton import paged_decode_attention
+        from minillm.speedups.kernels.paged_triton import paged_decode_attention
 
         b = group.end - group.start
         out = paged_decode_attention(

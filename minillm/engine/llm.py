@@ -19,10 +19,10 @@ from tqdm.auto import tqdm
 
 from minillm.engine.build import build_engine
 from minillm.engine.config import EngineConfig
-from minillm.logprobs import TokenLogprobs
-from minillm.model import GPT
-from minillm.sampling import SamplingParams
-from minillm.tokenizer import Tokenizer
+from minillm.decoding.logprobs import TokenLogprobs
+from minillm.model.gpt import GPT
+from minillm.decoding.sampling import SamplingParams
+from minillm.data.tokenizer import Tokenizer
 
 
 @dataclass
@@ -54,7 +54,7 @@ class LLM:
     (:mod:`minillm.engine.memory`).
 
     ``quantize="int8"`` or ``"int4"`` stores the model's matrices in that many bits
-    (``minillm.quant``); its activations are then bf16 unless ``dtype`` says otherwise (chapter 13)."""
+    (``minillm.speedups.quant``); its activations are then bf16 unless ``dtype`` says otherwise (chapter 13)."""
 
     def __init__(
         self,

@@ -18,22 +18,22 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.detokenizer import IncrementalDetokenizer
+from minillm.decoding.detokenizer import IncrementalDetokenizer
 from minillm.engine.block_allocator import BlockAllocator
 from minillm.engine.config import EngineConfig
-from minillm.engine.decode_graphs import DecodeGraphs, capture_mode, capture_unsupported
+from minillm.speedups.decode_graphs import DecodeGraphs, capture_mode, capture_unsupported
 from minillm.engine.kv_cache import PagedKVPool
 from minillm.engine.memory import MemorySplit, measure
 from minillm.engine.model_runner import ChunkOutput, LaunchedStep, ModelRunner
 from minillm.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from minillm.engine.sequence import FinishReason, RequestTimes, Sequence
-from minillm.engine.speculator import Speculator
-from minillm.logprobs import TokenLogprobs
-from minillm.model import GPT
-from minillm.packed import pack_weights, packing_unsupported
-from minillm.sampling import SamplingParams, make_generator
-from minillm.structured import GrammarCompiler
-from minillm.tokenizer import Tokenizer, get_tokenizer
+from minillm.speedups.speculative.speculator import Speculator
+from minillm.decoding.logprobs import TokenLogprobs
+from minillm.model.gpt import GPT
+from minillm.speedups.packed import pack_weights, packing_unsupported
+from minillm.decoding.sampling import SamplingParams, make_generator
+from minillm.decoding.structured import GrammarCompiler
+from minillm.data.tokenizer import Tokenizer, get_tokenizer
 
 
 @dataclass
@@ -89,7 +89,7 @@ class LLMEngine:
         speculator: Speculator | None = None,
     ) -> None:
         """``speculator``: speculative decoding for steps that decode a single request
-        (:mod:`minillm.engine.speculator`); batched steps run as usual."""
+        (:mod:`minillm.speedups.speculative.speculator`); batched steps run as usual."""
         config = config or EngineConfig()
         if getattr(model, "world_size", 1) != config.tensor_parallel_size:
             raise ValueError(
@@ -322,7 +322,7 @@ def _engine_model(model: GPT, config: EngineConfig) -> GPT:
 
 def _require_triton(device: torch.device) -> None:
     """A ``ValueError`` that says why ``attention="triton"`` cannot run on ``device``."""
-    from minillm.kernels.runtime import TritonUnavailable, require_triton
+    from minillm.speedups.kernels.runtime import TritonUnavailable, require_triton
 
     try:
         require_triton(device)

@@ -44,16 +44,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from minillm.config import ModelConfig
-from minillm.engine.decode_graphs import bucket_sizes
+from minillm.model.config import ModelConfig
+from minillm.speedups.decode_graphs import bucket_sizes
 from minillm.engine.kv_cache import PagedKVPool, kv_bytes_per_token
 from minillm.engine.model_runner import ModelRunner
 from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from minillm.engine.sequence import Sequence
-from minillm.model import GPT
-from minillm.packed import packed_bytes
-from minillm.sampling import SamplingParams, make_generator
-from minillm.units import parse_memory
+from minillm.model.gpt import GPT
+from minillm.speedups.packed import packed_bytes
+from minillm.decoding.sampling import SamplingParams, make_generator
+from minillm.sizes import parse_memory
 
 _PROC_STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
@@ -168,7 +168,7 @@ def plan(budget: int, *, runtime: int, weights: int, activations: int, allocator
 def weight_bytes(*models: nn.Module) -> int:
     """Bytes of the tensors ``models`` hold (parameters and buffers, each storage once however
     many of them share it), with the packed copies their layers multiply through
-    (:func:`minillm.packed.packed_bytes`). A tensor-parallel model counts this rank's shard."""
+    (:func:`minillm.speedups.packed.packed_bytes`). A tensor-parallel model counts this rank's shard."""
     storages: dict[int, int] = {}
     packed = 0
     for model in models:

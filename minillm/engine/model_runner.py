@@ -13,12 +13,12 @@ returns a list of tokens per chunk: none for a partial prefill, one for most chu
 accepted drafts plus one more for a speculative decode.
 
 What a request asks beyond a token comes from the same logits, in the same step: penalties and
-biases adjust its row before sampling (:mod:`minillm.penalties`), a schema masks it
-(:mod:`minillm.structured`), logprobs score the chosen token from the raw row
-(:mod:`minillm.logprobs`), and prompt logprobs run the LM head over the prompt rows of its
+biases adjust its row before sampling (:mod:`minillm.decoding.penalties`), a schema masks it
+(:mod:`minillm.decoding.structured`), logprobs score the chosen token from the raw row
+(:mod:`minillm.decoding.logprobs`), and prompt logprobs run the LM head over the prompt rows of its
 prefill, which every other request skips.
 
-A step of decodes only, given :class:`~minillm.engine.decode_graphs.DecodeGraphs`, runs as a
+A step of decodes only, given :class:`~minillm.speedups.decode_graphs.DecodeGraphs`, runs as a
 captured program instead (a CUDA graph, or Inductor's compiled code on a CPU); every other
 step, and every step with ``enforce_eager``, runs the eager path below, which is the reference.
 """
@@ -29,17 +29,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minillm.engine.decode_graphs import DecodeGraphs
+from minillm.speedups.decode_graphs import DecodeGraphs
 from minillm.engine.kv_cache import DecodeGroup, PagedAttention, PagedKVPool, PrefillChunk
 from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from minillm.engine.sequence import Sequence
-from minillm.engine.speculator import Speculator
-from minillm.logprobs import TokenLogprobs, token_logprobs
-from minillm.model import GPT
-from minillm.penalties import adjust_logits_
-from minillm.sampling import sample
-from minillm.structured import mask_logits_, token_bias
-from minillm.speculative import Draft, accept
+from minillm.speedups.speculative.speculator import Speculator
+from minillm.decoding.logprobs import TokenLogprobs, token_logprobs
+from minillm.model.gpt import GPT
+from minillm.decoding.penalties import adjust_logits_
+from minillm.decoding.sampling import sample
+from minillm.decoding.structured import mask_logits_, token_bias
+from minillm.speedups.speculative.rule import Draft, accept
 
 
 # Decodes attended together in one call. Larger groups mean fewer calls but more padding
@@ -100,7 +100,7 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, output: SchedulerOutput) -> LaunchedStep:
         """The eager path's first half: lay the step out and start the forward. A pipelined
-        model (:class:`~minillm.pipeline_engine.PipelineParallelGPT`) returns before its later
+        model (:class:`~minillm.distributed.pipeline_workers.PipelineParallelGPT`) returns before its later
         stages finish, so the engine can launch the next micro-batch; any other model runs
         the whole forward here. :meth:`collect` finishes the step."""
         decodes = sorted((c for c in output.chunks if c.num_tokens == 1), key=lambda c: c.start)
@@ -244,8 +244,8 @@ def _choose(seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | N
 
 def _shape_logits_(seqs: list[Sequence], logits: torch.Tensor) -> bool:
     """Make ``logits`` what the sampler must see, in place: the rows whose requests adjust
-    them (:mod:`minillm.penalties`) adjusted, then the rows held to a grammar masked
-    (:mod:`minillm.structured`). Returns whether any row changed; with none, nothing ran, so
+    them (:mod:`minillm.decoding.penalties`) adjusted, then the rows held to a grammar masked
+    (:mod:`minillm.decoding.structured`). Returns whether any row changed; with none, nothing ran, so
     the other requests pay nothing."""
     adjusting = [i for i, s in enumerate(seqs) if s.params.adjusts]
     constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]

@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from minillm.sampling import SamplingParams
+from minillm.decoding.sampling import SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
-    from minillm.detokenizer import IncrementalDetokenizer
-    from minillm.logprobs import TokenLogprobs
-    from minillm.structured import TokenGrammar
+    from minillm.decoding.detokenizer import IncrementalDetokenizer
+    from minillm.decoding.logprobs import TokenLogprobs
+    from minillm.decoding.structured import TokenGrammar
 
 
 class SequenceStatus(Enum):

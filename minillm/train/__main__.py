@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from minillm.checkpoint import preset_dir
-from minillm.train import TrainConfig, resolve, train
+from minillm.model.checkpoint import preset_dir
+from minillm.train.trainer import TrainConfig, resolve, train
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     from minillm.cli import ArgumentParser
-    from minillm.config import PRESETS
+    from minillm.model.config import PRESETS
 
     p = ArgumentParser(prog="python -m minillm.train", description="Train a GPT on the story corpus.")
     p.add_argument("--preset", default="cpu", choices=list(PRESETS), help="model size (default: cpu)")
@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 
 def main(argv: list[str] | None = None) -> int:
     from minillm.cli import UsageError
-    from minillm.data import CorpusUnavailable
+    from minillm.data.corpus import CorpusUnavailable
 
     cfg = parse_args(argv)
     try:

@@ -1,0 +1,350 @@
+"""How a request wants its tokens chosen, and the sampler that chooses them.
+
+:class:`SamplingParams` holds one request's settings, checked once, on arrival. Every field
+has the meaning it has in OpenAI's API and in vLLM, so the server can pass a request's JSON
+straight through. Invalid values raise ``ValueError`` naming the field, which the server
+turns into an HTTP 400.
+
+:func:`sample` turns one step's logits, one row per running request, into one token per row.
+Greedy rows cost one batched ``argmax``. Each sampled row draws from its own
+``torch.Generator`` (:func:`make_generator`), so a seeded request produces the same tokens
+whatever else shares its batch: batching is the server's business, never the user's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from minillm.decoding.structured import schema_error
+
+
+# A seed seeds a torch.Generator, which takes a 64-bit integer; like vLLM, take the signed range
+# (torch would alias -1 and 2**64 - 1, and past 64 bits it raises inside the engine step).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# Below this temperature a request is greedy, as in vLLM. Dividing logits by a temperature
+# that float32 cannot hold (under about 1e-38) makes them infinite and the softmax NaN, and
+# long before that the distribution is argmax to every digit float32 keeps.
+GREEDY_TEMPERATURE = 1e-5
+# OpenAI's ranges: penalties in -2..2, a logit bias in -100..100 (-100 bans a token, 100 all but
+# forces it), and up to 20 alternatives per position (the chat endpoint's top_logprobs).
+MAX_PENALTY, MAX_LOGIT_BIAS, MAX_LOGPROBS = 2.0, 100.0, 20
+
+@dataclass
+class SamplingParams:
+    """One request's decoding settings.
+
+    - ``max_tokens``: the most tokens to generate (the finish reason is ``"length"`` when hit).
+    - ``temperature``: 0 means greedy (always the most likely token); higher is more random.
+    - ``top_k``: keep only the k most likely tokens (``None`` or 0: all of them).
+    - ``top_p``: keep the smallest set of tokens whose probabilities sum to at least p.
+    - ``stop``: strings that end generation; the text returned stops before them.
+    - ``stop_token_ids``: token ids that end generation (kept in the output ids).
+    - ``ignore_eos``: keep going past the end-of-text token (load tests use it to fix lengths).
+    - ``seed``: a per-request random generator, so a seeded request gives the same text
+      whatever else shares its batch.
+
+    Adjustments to the logits, applied before temperature and the filters
+    (:mod:`minillm.decoding.penalties` says exactly how):
+
+    - ``presence_penalty``, ``frequency_penalty`` (-2..2): subtracted from the logit of every
+      token already generated, once (presence) or once per occurrence (frequency); OpenAI's.
+    - ``repetition_penalty`` (> 0, 1 is off): divides positive and multiplies negative logits
+      of every token in the prompt or the output; the CTRL paper's, as in vLLM and transformers.
+    - ``logit_bias``: token id -> a number in -100..100 added to that token's logit.
+    - ``min_tokens``: the end-of-text token and ``stop_token_ids`` are banned until this many
+      tokens are generated (stop strings still apply).
+
+    What the model thought, reported beside each token (:mod:`minillm.decoding.logprobs`):
+
+    - ``logprobs``: the chosen token's log-probability and this many top alternatives (0..20),
+      from the raw logits: before penalties, temperature and filters, as vLLM reports them.
+    - ``prompt_logprobs``: the same for every prompt token after the first, computed during
+      the prefill; with it, ``max_tokens`` may be 0: score the prompt, generate nothing.
+
+    What shape the text must take (:mod:`minillm.decoding.structured`):
+
+    - ``json_schema``: a JSON Schema the output must be an instance of (``{"type": "object"}``
+      for any JSON object); each step masks out the tokens that could not lead to one.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    json_schema: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = None
+        self.logit_bias = dict(self.logit_bias or {})
+        least_tokens = 0 if self.prompt_logprobs is not None else 1  # 0: score the prompt only
+        problems = [
+            (not _is_int(self.max_tokens) or self.max_tokens < least_tokens,
+             f"max_tokens must be an integer >= {least_tokens}, got {self.max_tokens!r}"),
+            (not _is_finite(self.temperature) or self.temperature < 0, f"temperature must be a finite number >= 0, got {_brief(self.temperature)}"),
+            (self.top_k is not None and (not _is_int(self.top_k) or not 1 <= self.top_k <= SEED_MAX),
+             f"top_k must be an integer in 1..{SEED_MAX} (or 0/None for all), got {_brief(self.top_k)}"),
+            (not _is_number(self.top_p) or not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
+            (not all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}"),
+            (not all(_is_int(t) and t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}"),
+            (not isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}"),
+            (self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
+             f"seed must be an integer in {SEED_MIN}..{SEED_MAX}, got {_brief(self.seed)}"),
+            *((not _is_finite(v) or abs(v) > MAX_PENALTY, f"{name} must be in -{MAX_PENALTY:g}..{MAX_PENALTY:g}, got {_brief(v)}")
+              for name, v in (("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty))),
+            (not _is_finite(self.repetition_penalty) or self.repetition_penalty <= 0,
+             f"repetition_penalty must be a number > 0 (1 is off), got {_brief(self.repetition_penalty)}"),
+            (not all(_is_int(t) and t >= 0 and _is_finite(b) and abs(b) <= MAX_LOGIT_BIAS for t, b in self.logit_bias.items()),
+             f"logit_bias must map token ids (integers >= 0) to numbers in -{MAX_LOGIT_BIAS:g}..{MAX_LOGIT_BIAS:g}, "
+             f"got {_brief(self.logit_bias)}"),
+            (not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= (self.max_tokens if _is_int(self.max_tokens) else 0),
+             f"min_tokens must be an integer in 0..max_tokens ({self.max_tokens!r}), got {_brief(self.min_tokens)}"),
+            *((v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS), f"{name} must be an integer in 0..{MAX_LOGPROBS}, got {_brief(v)}")
+              for name, v in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs))),
+        ]
+        for bad, message in problems:
+            if bad:
+                raise ValueError(message)
+        if self.json_schema is not None and (problem := schema_error(self.json_schema)):
+            raise ValueError(f"json_schema is not usable: {problem}")
+        self.temperature = float(self.temperature)
+        self.logit_bias = {t: float(b) for t, b in self.logit_bias.items() if b != 0}
+
+    @property
+    def greedy(self) -> bool:
+        """True when the choice is always the most likely token: temperature 0, or top-k 1
+        (one candidate left, whatever the temperature), so no random draw is needed."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def filters(self) -> bool:
+        """True when top-k or top-p narrows the candidates, so the sampler must rank them."""
+        return self.top_k is not None or self.top_p < 1
+
+    @property
+    def adjusts(self) -> bool:
+        """True when a penalty, a bias or ``min_tokens`` changes the logits before sampling;
+        the sampler skips that work for every other row."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
+
+    @property
+    def token_by_token(self) -> bool:
+        """True when every position needs its own adjusted or reported logits, which
+        speculative decoding's one-pass verification of a draft does not give; such a request
+        decodes one token per step. So does a request held to a schema: its mask depends on
+        every token before it."""
+        return self.adjusts or self.logprobs is not None or self.json_schema is not None
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
+
+
+def _is_finite(x: object) -> bool:
+    """A number a float holds: not NaN or infinite, and not an integer too large to convert."""
+    try:
+        return _is_number(x) and math.isfinite(float(x))  # type: ignore[arg-type]
+    except OverflowError:
+        return False
+
+
+def _brief(x: object) -> str:
+    """``repr(x)``, cut short: an error message must not echo a thousand-digit number back."""
+    text = repr(x)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
+    """The random generator a request keeps for its whole life, on the logits' ``device``.
+
+    Greedy requests draw nothing and get none. A seeded request's generator starts from its
+    seed, so its tokens depend on nothing else. An unseeded sampled request gets a generator
+    seeded from torch's global generator: random from run to run (torch seeds that one from
+    the operating system), yet reproducible after ``torch.manual_seed``, and still its own
+    stream, untouched by how many neighbours draw before it in a step.
+    """
+    if params.greedy:
+        return None
+    seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,)))
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+# Sampled rows go through the filters this many at a time. A row that sorts its whole
+# vocabulary holds about 40 bytes per token in temporaries (the float copy, the softmax, the
+# sorted values and their int64 ids, the running sums): 480 MiB for 256 rows of GPT-2's
+# vocabulary, the largest part of a step's memory (minillm.engine.memory measures it), and 60
+# MiB for 32. Each row's draw depends on its own row alone, so chunks change no token; on a
+# CPU they are faster too, a chunk's rows staying in cache (256 rows at temperature 1 took
+# 223 ms in one piece and 83 ms in chunks of 32 here).
+SAMPLE_CHUNK_ROWS = 32
+
+
+@torch.no_grad()
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """One token per row of ``logits`` (``[n, vocab]``): a ``long`` tensor ``[n]``, same device.
+
+    Row ``i`` follows ``params[i]`` and draws from ``generators[i]`` (``None``: torch's global
+    generator). Greedy rows are answered by one ``argmax`` over the whole batch; only the
+    sampled rows go through temperature, top-k, top-p and a draw. A single request is the
+    case ``n == 1``: ``int(sample(row[None], [params], [generator])[0])``.
+    """
+    if not len(params) == len(generators) == logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} rows of logits, {len(params)} params, {len(generators)} generators")
+    tokens = logits.argmax(dim=-1)
+    for group in _sampled_groups(params):
+        for start in range(0, len(group), SAMPLE_CHUNK_ROWS):
+            rows = group[start:start + SAMPLE_CHUNK_ROWS]
+            index = torch.tensor(rows, device=logits.device)
+            drawn = _sample_rows(logits[index].float(), [params[i] for i in rows], [generators[i] for i in rows])
+            tokens[index] = drawn
+    return tokens
+
+
+def _sampled_groups(params: list[SamplingParams]) -> list[list[int]]:
+    """The sampled rows, split into those that filter (top-k or top-p) and those that don't.
+
+    A draw inverts the CDF over the candidates in the order they are laid out: vocabulary
+    order for plain rows, largest first for filtering ones. Keeping the two apart means that
+    order depends on a row's own settings only, never on its neighbours', so a seeded row's
+    uniform number always lands on the same token.
+    """
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    plain = [i for i in sampled if not params[i].filters]
+    filtering = [i for i in sampled if params[i].filters]
+    return [rows for rows in (plain, filtering) if rows]
+
+
+def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution ``sample`` draws from, as probabilities ``[n, vocab]`` in float32:
+    softmax at the request's temperature, cut to its top-k and nucleus and renormalised.
+
+    Speculative decoding's acceptance rule (chapter 14) needs the whole distribution, not one
+    draw, and it must be the one ``sample`` uses, or speculation would change what a request's
+    settings mean; so it lives here, beside the sampler, and shares its filter.
+    """
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if not params.filters:
+        return probs
+    rows, vocab = probs.shape
+    top_k = torch.full((rows, 1), min(params.top_k or vocab, vocab), device=probs.device)
+    top_p = torch.full((rows, 1), params.top_p, device=probs.device)
+    ranked, order = _largest_first(probs, top_k, top_p)  # the sampler's ranking, ties and all
+    kept = torch.zeros_like(probs).scatter_(-1, order, _filter(ranked, top_k, top_p, vocab))
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def _sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, then one draw per row by inverting its CDF.
+
+    ``logits`` holds rows that all filter or none that do (see :func:`_sampled_groups`).
+    """
+    device, vocab = logits.device, logits.shape[-1]
+    temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
+    probs = torch.softmax(logits / temperature, dim=-1)
+    order = None
+    if params[0].filters:
+        top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=device)[:, None]
+        top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+        probs, order = _largest_first(probs, top_k, top_p)
+        probs = _filter(probs, top_k, top_p, vocab)
+    picked = _invert_cdf(probs, _uniforms(generators, device))
+    return picked if order is None else order.gather(1, picked[:, None])[:, 0]
+
+
+def _largest_first(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' probabilities, largest first, with their token ids, as far as the filters
+    can reach.
+
+    Sorting all 50,257 is the dearest step on a CPU (milliseconds a row), while a trained
+    model's nucleus rarely holds more than a few hundred tokens. So take the largest 256,
+    then 4,096, and sort everything only when some row's top-k, or its nucleus (top-p
+    without top-k), reaches further. A row's own prefix is the same whatever the width.
+
+    That holds only if the last candidate a row reaches is strictly likelier than the
+    smallest value taken (or has probability 0, past every possible token): ``topk`` keeps an
+    arbitrary few of the tokens tied at its cut, so a row whose cut falls inside that tie
+    would keep other tokens than the full stable sort keeps (the lowest ids), and would
+    change them when a neighbour widens the ranking.
+    """
+    vocab, width = probs.shape[-1], 256
+    while width < vocab:
+        values, order = torch.topk(probs, width, dim=-1)  # values in order; tied ids in any
+        nucleus = ((values.cumsum(dim=-1) - values) < top_p).sum(dim=-1, keepdim=True)
+        reach = torch.where(top_k < vocab, top_k, torch.where(top_p < 1, nucleus, vocab))
+        reach = reach.expand(values.shape[0], 1)
+        last = values.gather(1, reach.clamp(max=width) - 1)
+        if bool(((reach <= width) & ((last > values[:, -1:]) | (last == 0))).all()):
+            return _ties_in_vocabulary_order(values, order)
+        width *= 16
+    return torch.sort(probs, dim=-1, descending=True, stable=True)
+
+
+def _ties_in_vocabulary_order(values: torch.Tensor, order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Put tied candidates from ``topk`` back in vocabulary order, as the stable full sort
+    leaves them. ``topk`` orders ties as it likes, differently for different widths; with
+    half-precision logits ties are common, and a seeded row must not change its token
+    because a neighbour made the batch rank wider."""
+    order, by_id = order.sort(dim=-1)
+    values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    return values, order.gather(1, by_value)
+
+
+def _filter(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Zero every probability outside each row's top-k, then outside its nucleus.
+
+    ``probs`` is sorted largest first and normalised over the whole vocabulary. The nucleus
+    is the smallest set whose mass reaches ``top_p`` of what top-k kept: a token stays while
+    the mass before it is still short of that, so the most likely token always stays. Rows
+    with ``top_p == 1`` skip the test, lest rounding in the running sum cut the far tail.
+    """
+    rank = torch.arange(probs.shape[-1], device=probs.device)
+    probs = probs * (rank < top_k)
+    kept_by_top_k = torch.where(top_k < vocab, probs.sum(dim=-1, keepdim=True), 1.0)
+    mass_before = probs.cumsum(dim=-1) - probs
+    return probs * ((mass_before < top_p * kept_by_top_k) | (top_p >= 1))
+
+
+def _uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """One uniform number in [0, 1) per row, each from that row's own generator."""
+    draws = [torch.rand(1, generator=g, device=g.device if g is not None else device) for g in generators]
+    return torch.cat([d.to(device) for d in draws])
+
+
+def _invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Column ``j`` of each row with ``cdf[j-1] <= u * total < cdf[j]``: a draw from the row's
+    (unnormalised) distribution, so only a column with positive probability can be picked.
+    Should rounding ever put the target at the total, the clamp picks the last such column
+    (the first where the CDF reaches its total)."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    picked = torch.searchsorted(cdf, u[:, None] * total, right=True)[:, 0]
+    last_positive = (cdf < total).sum(dim=-1)
+    return torch.minimum(picked, last_positive)

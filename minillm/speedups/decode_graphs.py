@@ -1,0 +1,232 @@
+"""The decode step as a captured program: fixed shapes, compiled or recorded once, replayed.
+
+An eager step runs the model one operation at a time: Python calls into PyTorch, which
+checks its arguments, picks a kernel and launches it, a few microseconds each, a few hundred
+times per step. At batch 1 on a small model that fixed cost is a large part of the step, and
+on a GPU it is most of it: the kernels are done before Python has launched the next one.
+
+A step that only decodes has almost the same shape every time: ``n`` sequences, one token
+each. Pad ``n`` up to a bucket (1, 2, 4, 8, ...) and read the step's inputs from buffers that
+never move (tokens, positions, KV slots, block tables ``[B, max blocks]``, lengths), and the
+step becomes a program with one of a handful of shapes, prepared once and replayed:
+
+- on CUDA, a **CUDA graph** per bucket, recorded at start-up (as vLLM and nano-vllm do): one
+  launch replays every kernel of the step, reading the buffers the runner has just refilled;
+- on a CPU, **torch.compile** (Inductor): the elementwise chains between the matrix products
+  (bias, GELU, residual adds, LayerNorm) fuse into a few C++ loops, the Python between
+  operations disappears, and each matrix product gets the faster of two kernels, timed on
+  this machine at the bucket's shape (:data:`CPU_INDUCTOR_CONFIG`). Inductor keeps its
+  compiled code and its timings on disk (``.cache/inductor``), so a second start skips both.
+
+Padding rows are real rows nobody reads: they write their keys and values into the pool's
+pad block, attend over one slot of it, and their tokens are dropped. The eager path stays
+the reference (``enforce_eager``, vLLM's name for it): greedy tokens must be identical.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from minillm.speedups.graph_attention import PaddedDecodeAttention
+from minillm.engine.kv_cache import PagedKVPool
+from minillm.engine.scheduler import ScheduledChunk
+from minillm.model.gpt import GPT
+from minillm.settings import cache_dir
+
+# Inductor's settings for a CPU decode step. "freezing" makes the weights constants of the
+# program (a decode step never changes them), so that Inductor may lay them out for its own
+# kernels; max-autotune with the "CPP" GEMM backend then times, for every matrix shape of the
+# bucket, a matrix kernel Inductor generates for that shape against the library's, and keeps
+# the faster. On a 2-core AVX2 machine the generated kernel reads the weights of a batch-1 to
+# batch-8 step about 1.3x faster than oneDNN's packed one (chapter 12). The cost: a few
+# seconds of timing per shape at the first start, and each bucket holds the weights in its
+# kernels' layout. The timings are not printed (the last two keys).
+CPU_INDUCTOR_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                       "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+Program = Callable[[], tuple[torch.Tensor, torch.Tensor]]
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """Powers of two from 1 up to the first that holds ``max_batch`` rows."""
+    sizes = [1]
+    while sizes[-1] < max_batch:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+def capture_unsupported(model: GPT) -> str | None:
+    """Why ``model``'s decode step cannot be captured, or None if it can: a tensor- or
+    pipeline-parallel model runs in several processes, and a quantized one through kernels
+    this path has not been checked with."""
+    if not isinstance(model, GPT):
+        return "a model split over processes runs its steps eagerly"
+    if any(not t.is_floating_point() for t in model.buffers()):  # packed integer weights
+        return "a quantized model runs its steps eagerly"
+    return None
+
+
+def capture_mode(device: torch.device) -> str:
+    """How a decode step is captured on ``device``: ``"cuda-graph"`` or ``"compile"``."""
+    return "cuda-graph" if device.type == "cuda" else "compile"
+
+
+class DecodeStep(nn.Module):
+    """One padded decode step as a module: the model is its submodule, so a compiler sees the
+    weights as the module's parameters (constants, once frozen), while the KV pool and the
+    step's buffers come in as inputs."""
+
+    def __init__(self, model: GPT, pool: PagedKVPool, attention: str, trim: bool) -> None:
+        super().__init__()
+        self.model, self.pool, self.attention, self.trim = model, pool, attention, trim
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                tables: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits ``[B, vocab]`` (float32) and their argmax ``[B]``, the same code in every mode."""
+        cache = PaddedDecodeAttention(self.pool, slots, tables, lengths, trim=self.trim, backend=self.attention)
+        hidden = self.model.hidden_states(tokens[None], positions[None], cache)[0]
+        logits = self.model.logits(hidden).float()
+        return logits, logits.argmax(dim=-1)
+
+
+class DecodeGraphs:
+    """One prepared decode program per batch bucket, and the static buffers they all read.
+
+    ``run(decodes)`` pads the step to its bucket, refills the buffers and replays the
+    bucket's program (preparing it on first use); ``prepare()`` prepares every bucket up
+    front, as a server does at start-up, and returns the seconds it took. ``model`` is the
+    plain model: Inductor lays its weights out itself (``minillm.speedups.packed`` is for eager steps).
+    """
+
+    def __init__(self, model: GPT, pool: PagedKVPool, max_batch: int, attention: str = "torch",
+                 mode: str | None = None) -> None:
+        reason = capture_unsupported(model)
+        if reason is not None:
+            raise ValueError(reason)
+        self.pool = pool
+        self.mode = mode or capture_mode(model.device)
+        if self.mode not in ("compile", "cuda-graph"):
+            raise ValueError(f"mode must be 'compile' or 'cuda-graph', got {self.mode!r}")
+        self.step = DecodeStep(model, pool, attention, trim=self.mode == "compile")
+        self.buckets = bucket_sizes(max_batch)
+        size, device = self.buckets[-1], model.device
+        width = -(-model.cfg.context_length // pool.block_size)
+        long = dict(dtype=torch.long, device=device)
+        self.tokens = torch.zeros(size, **long)
+        self.positions = torch.zeros(size, **long)
+        self.slots = torch.full((size,), pool.pad_block * pool.block_size, **long)
+        self.tables = torch.full((size, width), pool.pad_block, **long)
+        self.lengths = torch.ones(size, **long)
+        self._programs: dict[int, Program] = {}
+        self._graph_pool = None  # the memory CUDA graphs share, largest bucket first
+        self.prepare_seconds: dict[int, float] = {}
+        if self.mode == "compile":
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir("inductor")))
+            # Every bucket is one more compiled version of ``DecodeStep.forward``; past Dynamo's limit
+            # (8 by default) it would quietly run the rest eagerly.
+            dynamo = torch._dynamo.config
+            dynamo.recompile_limit = max(dynamo.recompile_limit, 4 * len(self.buckets))
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def bucket(self, n: int) -> int:
+        """The smallest bucket that holds ``n`` rows."""
+        return next(b for b in self.buckets if b >= n)
+
+    def prepare(self, buckets: list[int] | None = None) -> float:
+        """Compile or record the programs of ``buckets`` (default: all), largest first so CUDA
+        graphs can share the largest one's memory; returns the seconds taken."""
+        start = time.perf_counter()
+        for b in sorted(buckets or self.buckets, reverse=True):
+            self.program(b)
+        return time.perf_counter() - start
+
+    def program(self, b: int) -> Program:
+        """Bucket ``b``'s program, prepared on first use (the time it took goes in
+        ``prepare_seconds``)."""
+        if b not in self._programs:
+            start = time.perf_counter()
+            self._programs[b] = self._record(b) if self.mode == "cuda-graph" else self._compile(b)
+            self.prepare_seconds[b] = time.perf_counter() - start
+        return self._programs[b]
+
+    @torch.inference_mode()
+    def run(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits ``[n, vocab]`` (float32) and their argmax ``[n]`` for ``n`` decodes."""
+        n = len(decodes)
+        b = self.bucket(n)
+        self.fill(decodes, b)
+        logits, greedy = self.program(b)()
+        return logits[:n], greedy[:n]
+
+    def fill(self, decodes: list[ScheduledChunk], b: int) -> None:
+        """Write the step's rows into the buffers and reset the padding rows after them.
+        Only the first ``width`` columns of a table are ever read (``lengths`` masks the
+        rest), so only those are written."""
+        bs = self.pool.block_size
+        n = len(decodes)
+        positions = [c.start for c in decodes]
+        width = -(-(max(positions) + 1) // bs)
+        tables = [c.seq.block_table[:width] for c in decodes]
+        rows = [
+            [c.seq.token_ids[c.start], p, t[p // bs] * bs + p % bs, p + 1] + t + [self.pool.pad_block] * (width - len(t))
+            for c, p, t in zip(decodes, positions, tables)
+        ]
+        host = torch.tensor(rows, dtype=torch.long)
+        device = self.tokens.device
+        packed = host.to(device, non_blocking=True)
+        self.tokens[:n], self.positions[:n], self.slots[:n], self.lengths[:n] = packed[:, :4].unbind(1)
+        self.tables[:n, :width] = packed[:, 4:]
+        if b > n:
+            self.tokens[n:b] = 0
+            self.positions[n:b] = 0
+            self.slots[n:b] = self.pool.pad_block * bs
+            self.lengths[n:b] = 1
+            self.tables[n:b, :width] = self.pool.pad_block
+
+    def _inputs(self, b: int) -> tuple[torch.Tensor, ...]:
+        return self.tokens[:b], self.positions[:b], self.slots[:b], self.tables[:b], self.lengths[:b]
+
+    def _compile(self, b: int) -> Program:
+        compiled = torch.compile(self.step, fullgraph=True, dynamic=False)
+        inputs = self._inputs(b)
+        with torch.inference_mode(), torch._inductor.config.patch(CPU_INDUCTOR_CONFIG):
+            compiled(*inputs)  # compiles now, not in the first step that needs it
+        return lambda: compiled(*inputs)
+
+    def _record(self, b: int) -> Program:
+        inputs = self._inputs(b)
+        replay, self._graph_pool = capture_cuda_graph(lambda: self.step(*inputs), self._graph_pool)
+        return replay
+
+
+def capture_cuda_graph(fn: Program, pool: object | None) -> tuple[Program, object]:
+    """Record ``fn`` as a CUDA graph, using the graph memory ``pool`` (None: a new one), and
+    return a function that replays it and returns ``fn``'s outputs, and the pool.
+
+    ``fn`` runs twice first, on a side stream, so that what happens only once (cuBLAS
+    handles, Triton's autotuning, the allocator growing) happens outside the recording. A
+    recorded graph replays the same kernels on the same addresses: every input must already
+    be in the static buffers, and nothing in ``fn`` may ask the host for a value."""
+    with torch.inference_mode():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = fn()
+
+    def replay() -> tuple[torch.Tensor, torch.Tensor]:
+        graph.replay()
+        return outputs
+
+    return replay, graph.pool()

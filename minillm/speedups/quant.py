@@ -1,0 +1,389 @@
+"""Weight-only quantization: the GPT's matrices in int8 or int4, written here.
+
+A decode step reads every weight once and does two FLOPs with it (chapter 1), so at small
+batches its speed is set by how many bytes the weights take. Storing them in fewer bits cuts
+those bytes; the activations stay in floating point ("weight-only", W8A16 and W4A16).
+
+- **int8, per output channel.** Each row of ``W`` (one output feature) gets its own scale,
+  ``absmax(row) / 127``; the row is divided by it and rounded to an integer in [-127, 127].
+  The rounding error of any weight is at most half its row's scale.
+- **int4, group-wise.** Sixteen levels are too few for a whole row (one outlier would make
+  the step coarse for everything), so each run of ``group_size`` consecutive weights of a row
+  gets its own scale, ``absmax(group) / 7``, and the weights round to [-7, 7]. Stored as
+  ``q + 8`` in a nibble, two to a byte (:func:`pack_int4`).
+
+How the multiply runs is a separate choice from how the weights are stored. PyTorch ships
+weight-only kernels on the CPU (``aten._weight_int8pack_mm`` and
+``aten._weight_int4pack_mm_for_cpu``) that read the packed weights and scale on the fly; where
+one exists and agrees with our own dequantization, :class:`QuantLinear` uses it, otherwise it
+*dequantizes on the fly*: it rebuilds the float matrix and calls an ordinary matmul, which
+reads the small weights but then writes and reads a full-size float copy, so it can be slower
+than never quantizing. ``QuantLinear.kernel`` says which one runs.
+
+The token embedding is tied to the output matrix (``GPT.logits``), and in the small presets it
+is most of the weights, so it is quantized too, once: :class:`QuantEmbedding` looks rows up in
+the same packed matrix that the logits multiply reads.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SCHEMES = ("int8", "int4")
+DEFAULT_GROUP_SIZE = 32
+INT8_MAX = 127
+INT4_MAX = 7  # symmetric: [-7, 7], stored as q + 8 in [1, 15]
+# When the fused CPU kernels pay (measured in chapter 13): with bf16 activations (their fp32 and
+# fp16 paths are many times slower here) and few rows (decode). Their time grows in proportion
+# to the rows, while dequantizing costs the same for any number, so for many rows (a prefill)
+# an ordinary matmul on a dequantized copy wins. The crossover measured on a shared 2-core CPU
+# moved between runs, from 16 to 128 rows by scheme; 64 keeps every decode batch fused.
+FUSED_DTYPE = torch.bfloat16
+FUSED_MAX_ROWS = 64
+QUANTIZED_DTYPE = torch.bfloat16  # a quantized model's activations unless told otherwise
+
+
+def check_scheme(scheme: str) -> str:
+    if scheme not in SCHEMES:
+        raise ValueError(f"quantize must be one of {', '.join(SCHEMES)}, got {scheme!r}")
+    return scheme
+
+
+# ----------------------------------------------------------------------------- int8
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[out, in]`` floats -> (int8 ``[out, in]``, fp32 scales ``[out]``): absmax per row."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX
+    q = torch.round(w / scales[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return q.to(scales.dtype) * scales[:, None]
+
+
+# ----------------------------------------------------------------------------- int4
+
+
+def pack_int4(nibbles: torch.Tensor) -> torch.Tensor:
+    """Values in [0, 15], ``[..., 2k]`` -> uint8 ``[..., k]``: column ``2j`` in the low four bits
+    of byte ``j``, column ``2j + 1`` in the high four."""
+    if nibbles.shape[-1] % 2:
+        raise ValueError(f"int4 packing needs an even number of columns, got {nibbles.shape[-1]}")
+    u = nibbles.to(torch.uint8)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_int4`: uint8 ``[..., k]`` -> uint8 ``[..., 2k]`` in [0, 15]."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+
+
+def _check_groups(in_features: int, group_size: int) -> None:
+    if group_size < 2 or group_size % 2 or in_features % group_size:
+        raise ValueError(f"group_size must be even and divide the {in_features} input features, got {group_size}")
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[out, in]`` floats -> (packed uint8 ``[out, in / 2]``, fp32 scales ``[out, in / group_size]``)."""
+    out_features, in_features = weight.shape
+    _check_groups(in_features, group_size)
+    groups = weight.detach().float().view(out_features, in_features // group_size, group_size)
+    scales = groups.abs().amax(dim=-1).clamp(min=torch.finfo(torch.float32).tiny) / INT4_MAX
+    q = torch.round(groups / scales[..., None]).clamp(-INT4_MAX, INT4_MAX)
+    return pack_int4((q + 8).view(out_features, in_features)), scales
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> torch.Tensor:
+    return _nibbles_to_float(unpack_int4(packed), scales, group_size)
+
+
+def _nibbles_to_float(nibbles: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    rows, cols = nibbles.shape
+    q = nibbles.view(rows, cols // group_size, group_size).to(scales.dtype) - 8
+    return (q * scales[..., None]).view(rows, cols)
+
+
+# ----------------------------------------------------------------------------- aten's int4 CPU layout
+# aten._convert_weight_to_int4pack_for_cpu tiles the matrix for its kernel: blocks of rows, each
+# stored as [in, rows / 2] bytes, two rows' nibbles to a byte. The block and the pairing depend on
+# the vector width aten dispatches to on this CPU: 64 rows with rows d and d + 32 sharing a byte
+# on AVX-512, 32 rows with d and d + 16 on AVX2, 32 rows with 2d and 2d + 1 without vectors.
+# Knowing the layout lets the embedding look rows up in the kernel's own copy instead of keeping
+# a second one, so it is read off the packing itself (_aten_int4_tile) rather than assumed, and
+# _aten_int4_layout_ok checks the result on this machine before anything relies on it.
+
+
+_TILE_PROBE = torch.stack([torch.arange(128) % 16, torch.arange(128) // 16], dim=1).to(torch.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _aten_int4_tile() -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """aten's int4 tile on this CPU, read off its packing of a probe whose two columns spell each
+    row's index (see :func:`_tile_from_probe`)."""
+    return _tile_from_probe(torch.ops.aten._convert_weight_to_int4pack_for_cpu(_TILE_PROBE, 1))
+
+
+def _tile_from_probe(packed: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """From aten's packing of ``_TILE_PROBE``: (rows per tile, and for each row of a tile the byte,
+    within one input column's slice of the tile, that holds its nibble, and that nibble's shift).
+    None if no tile size explains the packing."""
+    for block in (64, 32, 16):
+        tiles = packed.reshape(-1, 2, block // 2)  # [tile, input column, byte]
+        low, high = tiles & 0xF, tiles >> 4
+        found = torch.stack([low[:, 0] + 16 * low[:, 1], high[:, 0] + 16 * high[:, 1]], dim=-1).long()
+        found -= block * torch.arange(tiles.shape[0])[:, None, None]  # row within its tile
+        order = found[0].flatten()  # position 2 * byte + nibble holds row order[position]
+        if (found == found[0]).all() and torch.equal(order.sort().values, torch.arange(block)):
+            where = torch.empty(block, dtype=torch.long)
+            where[order] = torch.arange(block)
+            return block, where // 2, (where % 2 * 4).to(torch.uint8)
+    return None
+
+
+def _to_aten_int4(nibbles: torch.Tensor) -> torch.Tensor:
+    block = _aten_int4_tile()[0]
+    rows = -(-nibbles.shape[0] // block) * block
+    padded = torch.full((rows, nibbles.shape[1]), 8, dtype=torch.int32, device=nibbles.device)
+    padded[: nibbles.shape[0]] = nibbles.to(torch.int32)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(padded, 1)
+
+
+def _aten_int4_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of the nibble matrix held in aten's tiled layout, as uint8 ``[len(rows), in]``."""
+    block, byte, shift = _aten_int4_tile()
+    tiles = packed.view(packed.shape[0] // block, packed.shape[1] * 2, block // 2)
+    inner = rows % block
+    raw = tiles[rows // block, :, byte[inner]]
+    return (raw >> shift[inner][:, None]) & 0xF
+
+
+def _aten_int4_all_rows(packed: torch.Tensor) -> torch.Tensor:
+    """Every row of the nibble matrix in aten's layout (the padding rows included), tile by tile."""
+    block, byte, shift = _aten_int4_tile()
+    tiles = packed.view(packed.shape[0] // block, packed.shape[1] * 2, block // 2)
+    nibbles = (tiles[:, :, byte] >> shift) & 0xF  # [tile, in, row within the tile]
+    return nibbles.transpose(1, 2).reshape(packed.shape[0], -1)
+
+
+@functools.lru_cache(maxsize=None)
+def _aten_int4_layout_ok() -> bool:
+    tile = _aten_int4_tile()
+    if tile is None:
+        return False
+    nibbles = torch.randint(0, 16, (3 * tile[0], 64), generator=torch.Generator().manual_seed(0))
+    rows = torch.randperm(nibbles.shape[0], generator=torch.Generator().manual_seed(1))
+    packed, expected = _to_aten_int4(nibbles), nibbles.to(torch.uint8)
+    return torch.equal(_aten_int4_rows(packed, rows), expected[rows]) and torch.equal(_aten_int4_all_rows(packed), expected)
+
+
+# ----------------------------------------------------------------------------- which kernel
+
+
+@functools.lru_cache(maxsize=None)
+def fused_kernel_works(scheme: str, device_type: str, group_size: int = DEFAULT_GROUP_SIZE) -> bool:
+    """Whether PyTorch's weight-only kernel for ``scheme`` runs on this device and agrees with
+    our own dequantize-then-matmul on a small random layer (in bf16, its fast input type)."""
+    if device_type != "cpu":
+        return False  # the kernels used here are the CPU ones; elsewhere we dequantize on the fly
+    try:
+        if scheme == "int4" and not _aten_int4_layout_ok():
+            return False
+        g = torch.Generator().manual_seed(0)
+        width = group_size * max(2, 128 // group_size)
+        layer = QuantLinear.from_float(torch.randn(128, width, generator=g), None, scheme, group_size, kernel="fused")
+        layer.to(torch.bfloat16)
+        x = torch.randn(3, width, generator=g).bfloat16()
+        expected = x.float() @ layer.dequantized_weight().float().T
+        return bool(torch.allclose(layer(x).float(), expected, rtol=0.02, atol=0.3))
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+
+
+KERNEL_NAMES = {
+    ("int8", "fused"): "aten._weight_int8pack_mm",
+    ("int4", "fused"): "aten._weight_int4pack_mm_for_cpu",
+    ("int8", "dequantize"): "dequantize on the fly + matmul",
+    ("int4", "dequantize"): "dequantize on the fly + matmul",
+}
+
+
+# ----------------------------------------------------------------------------- the modules
+
+
+class QuantLinear(nn.Module):
+    """``nn.Linear`` with int8 or int4 weights. The float parts (scales, bias) follow
+    ``module.to(dtype)``; the integer weights never change.
+
+    ``kernel`` is ``"fused"`` (PyTorch's weight-only kernel reads the packed weights, for bf16
+    inputs of up to ``FUSED_MAX_ROWS`` rows; others dequantize) or ``"dequantize"`` (rebuild the
+    float matrix, then an ordinary matmul). In int4 the two store their nibbles differently:
+    ours (:func:`pack_int4`) or aten's tiled CPU layout.
+    """
+
+    def __init__(self, in_features: int, out_features: int, scheme: str, group_size: int, kernel: str,
+                 qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.scheme, self.group_size, self.kernel = check_scheme(scheme), group_size, kernel
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)  # int4 fused: aten's [in/group, rows, 2] (scale, zero)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, scheme: str,
+                   group_size: int = DEFAULT_GROUP_SIZE, kernel: str = "auto") -> "QuantLinear":
+        """Quantize a ``[out, in]`` weight. ``kernel="auto"`` takes the fused kernel where
+        :func:`fused_kernel_works`, else dequantizes on the fly."""
+        check_scheme(scheme)
+        if kernel == "auto":
+            kernel = "fused" if fused_kernel_works(scheme, weight.device.type, group_size) else "dequantize"
+        if kernel not in ("fused", "dequantize"):
+            raise ValueError(f"kernel must be 'auto', 'fused' or 'dequantize', got {kernel!r}")
+        dtype = weight.dtype
+        out_features, in_features = weight.shape
+        if scheme == "int8":
+            qweight, scales = quantize_int8(weight)
+        else:
+            qweight, scales = quantize_int4(weight, group_size)
+            if kernel == "fused":
+                qweight = _to_aten_int4(unpack_int4(qweight))
+                rows = qweight.shape[0]
+                scales = torch.nn.functional.pad(scales, (0, 0, 0, rows - out_features), value=1.0)
+                scales = torch.stack([scales.T, torch.zeros_like(scales.T)], dim=-1).contiguous()
+        bias = None if bias is None else bias.detach().clone()
+        return cls(in_features, out_features, scheme, group_size, kernel, qweight, scales.to(dtype), bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, scheme: str, group_size: int = DEFAULT_GROUP_SIZE,
+                    kernel: str = "auto") -> "QuantLinear":
+        return cls.from_float(linear.weight, linear.bias, scheme, group_size, kernel)
+
+    def row_scales(self) -> torch.Tensor:
+        """Scales as ``[out]`` (int8) or ``[out, in / group_size]`` (int4), whatever the layout."""
+        if self.scheme == "int4" and self.kernel == "fused":
+            return self.scales[..., 0].T[: self.out_features]
+        return self.scales
+
+    def nibbles_or_ints(self, rows: torch.Tensor) -> torch.Tensor:
+        """The stored integers of ``rows``: int8 values, or int4 nibbles (``q + 8``)."""
+        if self.scheme == "int8":
+            return self.qweight[rows]
+        if self.kernel == "fused":
+            return _aten_int4_rows(self.qweight, rows)
+        return unpack_int4(self.qweight[rows])
+
+    def weight_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows ``[len(rows), in]``: what an embedding lookup needs, without
+        rebuilding the whole matrix."""
+        ints, scales = self.nibbles_or_ints(rows), self.row_scales()[rows]
+        if self.scheme == "int8":
+            return ints.to(scales.dtype) * scales[:, None]
+        return _nibbles_to_float(ints, scales, self.group_size)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The whole float matrix ``[out, in]`` that the integers stand for."""
+        scales = self.row_scales()
+        if self.scheme == "int8":
+            return dequantize_int8(self.qweight, scales)
+        if self.kernel == "fused":
+            return _nibbles_to_float(_aten_int4_all_rows(self.qweight)[: self.out_features], scales, self.group_size)
+        return dequantize_int4(self.qweight, scales, self.group_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self.kernel == "fused" and x.dtype == FUSED_DTYPE and flat.shape[0] <= FUSED_MAX_ROWS:
+            out = self.fused(flat)
+            out = out if bias is None else out + bias
+        else:
+            out = nn.functional.linear(flat, self.dequantized_weight().to(x.dtype), bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def fused(self, flat: torch.Tensor) -> torch.Tensor:
+        """PyTorch's fused kernel on ``[rows, in]`` (no bias), whatever the rows and dtype."""
+        scales = self.scales.to(flat.dtype)
+        if self.scheme == "int8":
+            return torch.ops.aten._weight_int8pack_mm(flat.contiguous(), self.qweight, scales)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), self.qweight, self.group_size, scales)
+        return out[:, : self.out_features]
+
+    @property
+    def kernel_name(self) -> str:
+        return KERNEL_NAMES[self.scheme, self.kernel]
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.scheme == "int4" else ""
+        return f"{self.in_features}, {self.out_features}, {self.scheme}{group}, kernel={self.kernel_name}"
+
+
+class QuantEmbedding(nn.Module):
+    """The tied token embedding, quantized once and used twice, with the contract of
+    ``minillm.model.gpt.TokenEmbedding``: ``forward`` looks token rows up (dequantizing only those
+    rows) and ``project`` is the output matrix's multiply, which ``GPT.logits`` calls. It has
+    no float ``weight``: code that wants the whole float matrix asks for
+    ``table.dequantized_weight()``, and pays for it knowingly."""
+
+    def __init__(self, table: QuantLinear) -> None:
+        super().__init__()
+        self.table = table
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.table.weight_rows(tokens.reshape(-1)).view(*tokens.shape, self.table.in_features)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.table(hidden)
+
+    def cross_entropy(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean loss of :meth:`project`'s scores: a packed table has no float matrix for the
+        fused loss, so this one builds the logits (the quant lab's perplexities ask for it)."""
+        return F.cross_entropy(self.project(hidden).float().flatten(0, 1), targets.flatten())
+
+
+# ----------------------------------------------------------------------------- the whole model
+
+
+def quantize_model(model: nn.Module, scheme: str, group_size: int = DEFAULT_GROUP_SIZE,
+                   kernel: str = "auto") -> nn.Module:
+    """Replace, in place, every ``nn.Linear`` of ``model`` and its tied token embedding (a GPT's
+    ``tok_emb``) with quantized versions; the float parts keep the model's dtype. Returns the
+    model. Quantize after moving the model to its device: the packing can depend on it."""
+    check_scheme(scheme)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, QuantLinear.from_linear(child, scheme, group_size, kernel))
+    embedding = getattr(model, "tok_emb", None)
+    if isinstance(embedding, nn.Embedding):
+        model.tok_emb = QuantEmbedding(QuantLinear.from_float(embedding.weight, None, scheme, group_size, kernel))
+    return model
+
+
+def cast_and_quantize(model: nn.Module, dtype: torch.dtype | None, scheme: str | None) -> nn.Module:
+    """What the engine and server do with ``dtype`` and ``quantize``: without a scheme, just the
+    cast; with one, quantize from the weights as trained, then cast the float parts to ``dtype``,
+    which defaults to bf16 because that is the input the fused kernels are fast on."""
+    if scheme is None:
+        return model.to(dtype=dtype)
+    quantize_model(model, check_scheme(scheme))
+    return model.to(dtype=dtype or QUANTIZED_DTYPE)
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of everything the model stores: parameters and buffers (packed weights, scales)."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def kernels_used(model: nn.Module) -> dict[str, int]:
+    """How many quantized layers run each kernel, e.g. ``{"aten._weight_int8pack_mm": 17}``."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            counts[module.kernel_name] = counts.get(module.kernel_name, 0) + 1
+    return counts

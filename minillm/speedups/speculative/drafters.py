@@ -1,0 +1,110 @@
+"""The two drafters of speculative decoding (chapter 14): a small model, and a lookup.
+
+Both answer one question, ``propose(tokens, k, params, generator) -> Draft``: given the
+sequence so far, what are probably its next ``k`` tokens?
+
+- :class:`ModelDrafter` runs a smaller GPT, trained on the same corpus with the same
+  tokenizer, ``k`` times with its own KV cache. Its guesses are good where the text is
+  predictable, and it costs ``k`` small forward passes per round.
+- :class:`NgramDrafter` is prompt lookup decoding (Saxena, 2023): find the latest earlier
+  place where the sequence's last few tokens occurred, and propose what followed them there.
+  It costs no model at all, and wins when outputs repeat their input (copying names, code,
+  quotes); on fresh text it often has nothing to propose, and then the round is a plain step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minillm.decoding.generate import ContiguousKVCache
+from minillm.model.gpt import GPT
+from minillm.decoding.sampling import SamplingParams
+from minillm.speedups.speculative.rule import Draft, distribution, draw
+
+
+class ModelDrafter:
+    """A draft model with a KV cache over one sequence.
+
+    The cache remembers which tokens it holds. Each ``propose`` keeps the longest prefix that
+    still matches the sequence (everything up to the first rejected draft token, after a
+    verification), feeds the rest, then drafts ``k`` tokens one forward pass at a time. So the
+    rollback after a rejection is implicit: a shorter cache length, found by comparison.
+    """
+
+    def __init__(self, model: GPT) -> None:
+        self.model = model.eval()
+        self.context = model.cfg.context_length
+        self.cache = ContiguousKVCache(model, 1, self.context)
+        self.device = model.device
+        self._held: list[int] = []  # the tokens whose keys and values the cache holds
+
+    @torch.no_grad()
+    def propose(
+        self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None = None
+    ) -> Draft:
+        k = min(k, self.context - len(tokens) + 1)  # the last draft token is never fed
+        if k <= 0 or not tokens:
+            return Draft()
+        keep = _common_prefix(self._held, tokens, limit=len(tokens) - 1)
+        self.cache.length, self._held = keep, self._held[:keep]
+        logits = self._forward(tokens[keep:])
+        drafted, probs = [], []
+        for i in range(k):
+            if params.greedy:
+                token = int(logits.argmax())
+            else:
+                q = distribution(logits[None], params)[0]
+                token = draw(q, generator)
+                probs.append(q)
+            drafted.append(token)
+            if i < k - 1:
+                logits = self._forward([token])
+        return Draft(drafted, torch.stack(probs) if probs else None)
+
+    def _forward(self, new: list[int]) -> torch.Tensor:
+        """Logits after feeding ``new`` at the cache's next positions."""
+        start = self.cache.length
+        tokens = torch.tensor([new], device=self.device)
+        positions = torch.arange(start, start + len(new), device=self.device)[None]
+        hidden = self.model.hidden_states(tokens, positions, self.cache)[0, -1]
+        self._held += new
+        return self.model.logits(hidden).float()
+
+
+class NgramDrafter:
+    """Prompt lookup: propose what followed the latest earlier occurrence of the last n tokens.
+
+    Tries ``n = max_ngram`` down to ``min_ngram`` and takes the latest match that has ``k``
+    tokens after it (else the one with the most); longer matches are more specific, so their
+    continuations are likelier to be right. No match: no draft.
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(
+        self, tokens: list[int], k: int, params: SamplingParams | None = None, generator: torch.Generator | None = None
+    ) -> Draft:
+        if k <= 0:
+            return Draft()
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            tail, best = tokens[-n:], []
+            for start in range(len(tokens) - n - 1, -1, -1):  # latest first, never the tail itself
+                if tokens[start : start + n] == tail:
+                    follow = tokens[start + n : start + n + k]
+                    if len(follow) == k:
+                        return Draft(follow)
+                    best = max(best, follow, key=len)  # a match near the end has a short tail
+            if best:
+                return Draft(best)
+        return Draft()
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -1,0 +1,222 @@
+"""Speculative decoding: a cheap drafter guesses ``k`` tokens, the target checks them in one pass.
+
+A decode step of a small model at batch 1 is memory-bound: it reads every weight to produce
+one token. Feeding the target ``k + 1`` tokens instead of one reads the same weights once, so
+it costs about the same, and yields the target's next-token distribution at every one of those
+positions. If a drafter (a smaller model, or a lookup in the text so far) guesses the next ``k``
+tokens, one target pass can confirm several of them at once.
+
+The acceptance rule (Leviathan, Kalman and Matias 2023; Chen et al. 2023) keeps the output
+distribution *exactly* the target's. At each drafted position, with ``p`` the target's and
+``q`` the drafter's distribution and ``x`` the drafted token:
+
+- accept ``x`` with probability ``min(1, p(x) / q(x))``;
+- on the first rejection, draw the replacement from ``max(0, p - q)``, normalised, and stop;
+- if all ``k`` are accepted, draw one bonus token from the target's distribution after them.
+
+Greedy decoding is the special case where both distributions are one-hot: accept while the
+draft equals the target's argmax, then emit the target's argmax. Either way every target pass
+yields at least one token, so speculation never produces fewer tokens per pass than plain
+decoding; what it can lose is the drafter's time.
+
+This module holds the rule (:func:`accept`), the counters (:class:`SpeculativeStats`) and the
+reference loop over two contiguous KV caches (:func:`generate_speculative`). The drafters
+are in :mod:`minillm.speedups.speculative.drafters`; the paged engine uses the same rule for batch-1 steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from minillm.decoding.generate import ContiguousKVCache, check_prompt
+from minillm.model.gpt import GPT
+from minillm.decoding.sampling import SamplingParams, distribution
+
+
+@dataclass
+class Draft:
+    """Tokens a drafter proposes, and the distribution each was drawn from.
+
+    ``probs`` is ``[len(tokens), vocab]`` for a drafter that samples (a draft model at a
+    temperature). ``None`` means each token was chosen deterministically (a greedy draft model,
+    or a lookup in the text), so its distribution is one-hot at the token.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    probs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class SpeculativeStats:
+    """Counters over a run: how many target passes, how many drafted and accepted tokens, and
+    how many rounds ended in a rejection (the rest accepted every token they drafted)."""
+
+    target_passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    generated: int = 0
+    rejections: int = 0
+
+    def record(self, drafted: int, accepted: int, emitted: int) -> None:
+        self.target_passes += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.generated += emitted
+        self.rejections += accepted < drafted  # the round stopped at a rejected token
+
+    def merge(self, other: SpeculativeStats) -> None:
+        """Add another run's counters to these."""
+        for name in ("target_passes", "drafted", "accepted", "generated", "rejections"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens over drafted ones (0 when nothing was drafted). Not Leviathan
+        et al.'s ``alpha``: a round stops at its first rejection, so the tokens after it are
+        drafted but never judged, and this ratio falls with ``k`` even when ``alpha`` does not."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def per_position_acceptance(self) -> float:
+        """The probability that a drafted token is accepted given that every earlier one in its
+        round was: accepted tokens over the tokens the target judged (accepted ones plus one
+        rejection per round that had one). Under the model of independent acceptances with
+        probability ``alpha`` this is the maximum-likelihood estimate of ``alpha`` (0 when
+        nothing was judged)."""
+        judged = self.accepted + self.rejections
+        return self.accepted / judged if judged else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Tokens produced per target forward pass; plain decoding has exactly 1."""
+        return self.generated / self.target_passes if self.target_passes else 0.0
+
+    def as_dict(self) -> dict:
+        return {"target_passes": self.target_passes, "drafted": self.drafted, "accepted": self.accepted,
+                "generated": self.generated, "rejections": self.rejections,
+                "acceptance_rate": self.acceptance_rate, "per_position_acceptance": self.per_position_acceptance,
+                "tokens_per_pass": self.tokens_per_pass}
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from a (possibly unnormalised) probability row."""
+    return int(torch.multinomial(probs, 1, generator=generator)[0])
+
+
+def _uniform(generator: torch.Generator | None, device: torch.device) -> float:
+    return float(torch.rand(1, generator=generator, device=generator.device if generator else device)[0])
+
+
+@torch.no_grad()
+def accept(
+    target_logits: torch.Tensor, draft: Draft, params: SamplingParams, generator: torch.Generator | None = None
+) -> tuple[int, int]:
+    """Check ``draft`` against the target; returns ``(n_accepted, next_token)``.
+
+    ``target_logits`` is ``[len(draft) + 1, vocab]``: row ``i`` is the target's prediction
+    after the context plus the first ``i`` drafted tokens. The output of the step is
+    ``draft.tokens[:n_accepted] + [next_token]``: the accepted prefix, then either the
+    replacement for the first rejected token or, if none was rejected, a bonus token.
+    """
+    k = len(draft)
+    if target_logits.shape[0] != k + 1:
+        raise ValueError(f"need {k + 1} rows of target logits for {k} draft tokens, got {target_logits.shape[0]}")
+    if params.greedy:
+        best = target_logits.argmax(dim=-1).tolist()
+        n = next((i for i, token in enumerate(draft.tokens) if token != best[i]), k)
+        return n, best[n]
+    p = distribution(target_logits, params)
+    for i, x in enumerate(draft.tokens):
+        q_x = 1.0 if draft.probs is None else float(draft.probs[i, x])
+        if _uniform(generator, p.device) * q_x < float(p[i, x]):  # u < p(x) / q(x), without dividing
+            continue
+        if draft.probs is None:
+            residual = p[i].clone()
+            residual[x] = 0.0  # max(0, p - onehot(x)): everything but x, in proportion
+        else:
+            residual = (p[i] - draft.probs[i]).clamp(min=0.0)
+        if float(residual.sum()) <= 0.0:  # p == q up to rounding: the residual is empty
+            residual = p[i]
+        return i, draw(residual, generator)
+    return k, draw(p[k], generator)
+
+
+def rollback(cache: ContiguousKVCache, length: int) -> None:
+    """Forget every position from ``length`` on. The keys and values of rejected draft tokens
+    stay in memory, but the next step writes over them: rollback is only a shorter length."""
+    if not 0 <= length <= cache.length:
+        raise ValueError(f"cannot roll a cache of {cache.length} positions back to {length}")
+    cache.length = length
+
+
+@torch.no_grad()
+def verify_logits(target: GPT, cache: ContiguousKVCache, last_token: int, draft: Draft) -> torch.Tensor:
+    """The target's logits at the last token and at every draft token, ``[len(draft) + 1,
+    vocab]``, in one forward over the cache: the single memory-bound pass that checks ``k``
+    guesses. Their keys and values are appended to the cache; :func:`rollback` drops the
+    rejected ones."""
+    device = target.device
+    tokens = torch.tensor([[last_token, *draft.tokens]], device=device)
+    positions = torch.arange(cache.length, cache.length + tokens.shape[1], device=device)[None]
+    return target(tokens, positions, cache)[0].float()
+
+
+@dataclass
+class SpeculativeOutput:
+    """The new tokens (as :func:`~minillm.decoding.generate.generate_kv_cache` returns them) and the
+    counters that say how the speculation went."""
+
+    tokens: list[int]
+    stats: SpeculativeStats
+
+
+@torch.no_grad()
+def generate_speculative(
+    target: GPT,
+    drafter,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    num_speculative_tokens: int = 4,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    stop_token: int | None = None,
+    generator: torch.Generator | None = None,
+) -> SpeculativeOutput:
+    """Continue ``prompt`` like :func:`minillm.decoding.generate.generate_kv_cache`, with speculation.
+
+    ``drafter`` is a :class:`minillm.speedups.speculative.drafters.ModelDrafter` or :class:`~minillm.speedups.speculative.drafters.NgramDrafter`
+    (anything with ``propose(tokens, k, params, generator) -> Draft``). The target's cache
+    always holds every token but the last; each round drafts up to ``num_speculative_tokens``,
+    runs the target once over the last token and the draft, keeps what :func:`accept` accepts
+    and rolls the cache back past the rest. Greedy output equals the target's alone, token for
+    token; sampled output has the target's distribution.
+    """
+    check_prompt(target, prompt, max_new_tokens, slide=False)
+    if num_speculative_tokens < 0:
+        raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+    params = SamplingParams(max_tokens=max(max_new_tokens, 1), temperature=temperature, top_k=top_k)
+    stats, tokens, new = SpeculativeStats(), list(prompt), []
+    if max_new_tokens == 0:
+        return SpeculativeOutput(new, stats)
+    cache = ContiguousKVCache(target, 1, len(prompt) + max_new_tokens)
+    if len(prompt) > 1:  # prefill all but the last token, which every round feeds first
+        target.hidden_states(torch.tensor([prompt[:-1]], device=target.device), cache=cache)
+    while len(new) < max_new_tokens:
+        k = min(num_speculative_tokens, max_new_tokens - len(new) - 1)
+        draft = drafter.propose(tokens, k, params, generator) if k > 0 else Draft()
+        n, token = accept(verify_logits(target, cache, tokens[-1], draft), draft, params, generator)
+        rollback(cache, len(tokens) + n)
+        emitted = draft.tokens[:n] + [token]
+        stats.record(len(draft), n, len(emitted))
+        for t in emitted:
+            new.append(t)
+            tokens.append(t)
+            if t == stop_token:
+                return SpeculativeOutput(new, stats)
+    return SpeculativeOutput(new, stats)

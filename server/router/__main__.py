@@ -1,0 +1,209 @@
+"""``python -m server.router``: one OpenAI-compatible address in front of several replicas.
+
+A request goes: read the body -> the policy (:mod:`server.router.policy`) picks a healthy replica
+(:mod:`server.router.replicas`) -> forward it -> relay the answer. Streams are relayed event by
+event as they arrive, never buffered, so the client's time to first token is the replica's
+plus one hop.
+
+How replicas fail, and what the client then sees, is :mod:`server.router.proxy`'s business.
+
+The router keeps its own ``/health`` (200 while any replica is healthy) and ``/metrics``
+(``minillm_router:`` counters, and each replica's health and scraped load). Every answer
+names the replica that gave it in an ``X-Replica`` header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Iterator, Sequence
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from minillm.cli import UsageError, run
+from minillm.settings import preset_dir, resolve_checkpoint
+from server.connections import connection_room, limit_connections
+from server.launch import ServerProcess, start_server, stop_all
+from server.router.replicas import ReplicaSet
+from server.router.config import RouterConfig, parse_router_args
+from server.router.proxy import ROUTER, RouterState, openai_errors, proxy
+from server.router.policy import make_policy
+from server.signals import stop_on_signals
+
+log = logging.getLogger("server.router")
+
+def create_router(urls: Sequence[str], config: RouterConfig) -> web.Application:
+    """The router app over the replicas at ``urls``."""
+    state = RouterState(ReplicaSet(urls, config.eject_after, config.readmit_after), make_policy(config.policy), config)
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[openai_errors])
+    app[ROUTER] = state
+    app.router.add_post("/v1/completions", proxy)
+    app.router.add_post("/v1/chat/completions", proxy)
+    app.router.add_get("/v1/models", proxy)
+    app.router.add_get("/v1/models/{model:.+}", proxy)
+    app.router.add_post("/tokenize", proxy)
+    app.router.add_post("/detokenize", proxy)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.on_startup.append(_start)
+    app.on_cleanup.append(_stop)
+    return app
+
+
+async def _start(app: web.Application) -> None:
+    """Open the upstream session, check every replica once, then keep checking."""
+    state = app[ROUTER]
+    state.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    await state.replicas.check_all(state.session, state.config.health_timeout)
+    state.checker = asyncio.create_task(state.replicas.keep_checking(state.session, state.config.health_interval,
+                                                                     state.config.health_timeout))
+
+
+async def _stop(app: web.Application) -> None:
+    state = app[ROUTER]
+    if state.checker is not None:
+        state.checker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await state.checker
+    if state.session is not None:
+        await state.session.close()
+
+
+# ----------------------------------------------------------------------------- the router's own routes
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 while at least one replica is healthy, with each replica's state."""
+    replicas = request.app[ROUTER].replicas.replicas
+    ok = any(r.healthy for r in replicas)
+    return web.json_response({"status": "ok" if ok else "unavailable",
+                              "replicas": {r.url: "healthy" if r.healthy else "ejected" for r in replicas}},
+                             status=200 if ok else 503)
+
+
+class RouterCollector:
+    """The router's numbers as Prometheus metrics, read from its state at scrape time."""
+
+    PREFIX = "minillm_router:"
+
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator:
+        p, s = self.PREFIX, self.state
+        requests = CounterMetricFamily(p + "requests", "Proxied requests by the status the client got.",
+                                       labels=["status"])
+        for status, n in sorted(s.statuses.items()):
+            requests.add_metric([str(status)], n)
+        yield requests
+        yield CounterMetricFamily(p + "retries", "Attempts on another replica after one did not take the request.",
+                                  s.retries)
+        yield CounterMetricFamily(p + "midstream_failures", "Streams cut by a replica after their first event.",
+                                  s.midstream_failures)
+        per_replica = [
+            (GaugeMetricFamily, "replica_healthy", "1 if the replica takes traffic, 0 if ejected.",
+             lambda r: float(r.healthy)),
+            (GaugeMetricFamily, "replica_outstanding", "Requests sent to it and not finished.", lambda r: r.outstanding),
+            (GaugeMetricFamily, "replica_waiting", "Its waiting requests, as last scraped.", lambda r: r.waiting),
+            (GaugeMetricFamily, "replica_kv_cache_usage_perc", "Its KV-cache usage, 0..1, as last scraped.",
+             lambda r: r.kv_usage),
+            (GaugeMetricFamily, "replica_prefix_cache_hit_rate", "Its prefix-cache hit rate, as last scraped.",
+             lambda r: r.prefix_hit_rate),
+            (CounterMetricFamily, "replica_requests", "Attempts sent to it.", lambda r: r.requests),
+            (CounterMetricFamily, "replica_errors", "Attempts it failed: refused, broke, timed out, or answered 429 "
+             "or 5xx.", lambda r: r.errors),
+            (CounterMetricFamily, "replica_ejections", "Times it was taken out of rotation.", lambda r: r.ejections),
+        ]
+        for kind, name, text, read in per_replica:
+            family = kind(p + name, text, labels=["replica"])
+            for r in s.replicas.replicas:
+                family.add_metric([r.url], read(r))
+            yield family
+
+
+async def metrics(request: web.Request) -> web.Response:
+    registry = CollectorRegistry()
+    registry.register(RouterCollector(request.app[ROUTER]))
+    return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# ----------------------------------------------------------------------------- running it
+
+
+def spawn_replicas(config: RouterConfig) -> list[ServerProcess]:
+    """Start ``config.spawn`` servers at once, each on a free port; stop them all if one fails."""
+    try:
+        checkpoint = resolve_checkpoint(config.checkpoint or preset_dir("cpu"))
+    except FileNotFoundError as err:
+        raise UsageError(f"--checkpoint: {err} (train one with `make serve` first, or name one)") from None
+    with ThreadPoolExecutor(config.spawn) as pool:
+        futures = [pool.submit(start_server, checkpoint, *config.replica_flags()) for _ in range(config.spawn)]
+    started, problems = [], []
+    for future in futures:
+        try:
+            started.append(future.result())
+        except RuntimeError as err:
+            problems.append(str(err))
+    if problems:
+        stop_all(started)
+        raise UsageError(f"--spawn: a replica did not start: {problems[0]}")
+    return started
+
+
+@contextlib.asynccontextmanager
+async def running(app: web.Application, host: str = "127.0.0.1", port: int = 0, shutdown_grace: float = 30.0,
+                  keep_alive_timeout: float = 15.0, max_connections: int | None = None) -> AsyncIterator[str]:
+    """Serve ``app`` on the running event loop (a notebook's, a test's) and yield its URL;
+    on exit, in-flight requests get ``shutdown_grace`` seconds, then the app is cleaned up.
+    A connection must send a request's head within ``keep_alive_timeout``; past
+    ``max_connections`` open ones, a new one gets a 503 (:mod:`server.connections`)."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_grace,
+                           keepalive_timeout=keep_alive_timeout)
+    await runner.setup()
+    if max_connections is not None:
+        limit_connections(runner.server, connection_room(max_connections))
+    try:
+        await web.TCPSite(runner, host, port).start()
+        yield f"http://{host}:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+async def _until_signalled(app: web.Application, config: RouterConfig) -> None:
+    """Serve until SIGINT or SIGTERM, printing the address once listening; a second Ctrl+C
+    stops at once (:mod:`server.signals`)."""
+    stop = stop_on_signals()
+    urls = ", ".join(r.url for r in app[ROUTER].replicas.replicas)
+    async with running(app, config.host, config.port, config.shutdown_grace, config.keep_alive_timeout,
+                       config.max_connections) as url:
+        print(f"minillm router ({config.policy}) serving at {url} over {urls}   (Ctrl+C to stop)", flush=True)
+        await stop.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_router_args(argv)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    started = time.monotonic()
+    spawned = spawn_replicas(config) if config.spawn else []
+    if spawned:
+        log.info("spawned %d replicas in %.1f s", len(spawned), time.monotonic() - started)
+    try:
+        app = create_router(config.replicas + [s.url for s in spawned], config)
+        asyncio.run(_until_signalled(app, config))
+    except KeyboardInterrupt:  # a second Ctrl+C: whoever pressed it will not wait out the replicas' grace
+        for server in spawned:
+            server.kill()
+        raise  # minillm.cli.run prints "interrupted" and exits 130
+    finally:
+        stop_all(spawned)  # side by side; at once if they were killed
+    return 0
+
+
+if __name__ == "__main__":
+    run(main, prog="python -m server.router")
