@@ -17,14 +17,15 @@ from typing import Callable, Sequence
 from aiohttp import web
 
 from minillm.cli import UsageError, run
-from minillm.engine.build import EngineOptionError, build_engine, check_device
+from minillm.engine.build import build_engine, check_device
+from minillm.engine.config import EngineOptionError
 from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.memory import describe_cache
 from minillm.machine.hardware import default_device
 from minillm.data.tokenizer import get_tokenizer
 from minillm.train.trainer import load_or_train
 from server.app import STATE, create_app
-from server.config import ServerConfig, parse_args
+from server.config import ServerConfig, flag_error, parse_args
 from server.connections import connection_room, limit_connections
 from server.signals import stop_on_signals
 
@@ -42,7 +43,7 @@ def build(config: ServerConfig) -> LLMEngine:
                             quantize=config.quantize, speculative_draft=config.speculative_draft,
                             num_speculative_tokens=config.num_speculative_tokens, tokenizer=get_tokenizer())
     except EngineOptionError as err:
-        raise UsageError(f"--{err.option.replace('_', '-')}: {err.message}") from None
+        raise flag_error(err) from None
     except ValueError as err:
         raise UsageError(str(err)) from None
 

@@ -4,20 +4,21 @@ Every flag ``--some-flag`` can also be set as ``MINILLM_SOME_FLAG`` (``--port`` 
 ``MINILLM_PORT``), the way containers and process managers like to configure a service; a flag
 given on the command line wins over the variable. A value argparse cannot read, from either
 source, is reported in one line.
+
+The engine's options are checked by the engine alone (``EngineConfig`` and
+:func:`~minillm.engine.build.check_options`, the checks ``LLM`` runs too), before any weights
+load; their :class:`EngineOptionError` names the option, reported here as its flag.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from minillm.cli import ArgumentParser, UsageError
-from minillm.engine.config import EngineConfig
-from minillm.speedups.quant import check_scheme
-from minillm.machine.hardware import resolve_dtype
-from minillm.sizes import parse_memory
+from minillm.engine.build import check_options
+from minillm.engine.config import EngineConfig, EngineOptionError
 from server.connections import CLIENT_FLAGS, CLIENT_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, MAX_CONNECTIONS
 from server.flags import LOG_LEVELS, add_env_flags, byte_size, dataclass_defaults, env_name
 from server.wire import MAX_BODY_BYTES
@@ -40,7 +41,7 @@ class ServerConfig:
 
     ``memory_budget`` is the whole server's memory (the engine's ``memory_budget``: on a GPU
     its device memory, on a CPU the process's resident set); ``kv_cache_memory`` sizes the KV
-    cache alone. Both size the cache, so giving both is refused, naming both flags.
+    cache alone. Both size the cache, so the engine refuses both together.
     """
 
     checkpoint: str | None = None
@@ -87,20 +88,9 @@ class ServerConfig:
             raise ValueError("api_key must not be empty (leave it unset to serve without a key)")
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
-        if self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
-        for size in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if getattr(self, size) > 1 and self.speculative_draft:
-                raise ValueError(f"speculative_draft does not combine with {size} > 1 (not supported)")
-            if getattr(self, size) > 1 and self.quantize is not None:
-                raise ValueError(f"quantize does not combine with {size} > 1 (not supported)")
-        if self.quantize is not None:
-            check_scheme(self.quantize)
-        if self.memory_budget is not None and self.kv_cache_memory is not None:
-            raise ValueError("--memory-budget and --kv-cache-memory both size the KV cache: give one (--memory-budget "
-                             "is the whole server's memory, --kv-cache-memory the cache's alone)")
-        resolve_dtype(self.dtype)
-        self.engine_config()  # the engine's own checks, now rather than after loading the model
+        # the engine's own checks, now rather than after loading the model
+        check_options(self.engine_config(), dtype=self.dtype, quantize=self.quantize,
+                      speculative_draft=self.speculative_draft, num_speculative_tokens=self.num_speculative_tokens)
 
     def engine_config(self) -> EngineConfig:
         """The engine's share of the settings."""
@@ -117,22 +107,6 @@ class ServerConfig:
         )
 
 
-def _memory(text: str) -> str:
-    """Check a memory size (``6GiB``) for argparse, keeping the text the engine reads."""
-    try:
-        parse_memory(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    return text
-
-
-def _scheme(text: str) -> str:
-    try:
-        return check_scheme(text.lower())
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
 # (flag, type, help) in the order --help shows them; the default comes from ServerConfig.
 FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     ("--checkpoint", str, "a checkpoint file, or the directory `python -m minillm.train --out` wrote "
@@ -141,9 +115,9 @@ FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     ("--port", int, "port to listen on (0: any free port)"),
     ("--device", str, "cpu | cuda | cuda:1 | mps (default: the best available)"),
     ("--dtype", str, "float32 | bfloat16 | float16 (default: the checkpoint's)"),
-    ("--kv-cache-memory", _memory, "KV cache size alone, e.g. 6GiB (default: 1GiB on a CPU, 90%% of free GPU memory; "
+    ("--kv-cache-memory", str, "KV cache size alone, e.g. 6GiB (default: 1GiB on a CPU, 90%% of free GPU memory; "
                                    "or see --memory-budget)"),
-    ("--memory-budget", _memory, "the whole server's memory, e.g. 6GiB: on a GPU its device memory, on a CPU the "
+    ("--memory-budget", str, "the whole server's memory, e.g. 6GiB: on a GPU its device memory, on a CPU the "
                                  "process's resident memory (torch included). At start the engine measures the "
                                  "weights, the runtime and the activations of its largest step (--max-num-seqs, "
                                  "--max-num-batched-tokens), and the KV cache gets the rest; per rank with "
@@ -176,7 +150,7 @@ FLAGS: list[tuple[str, Callable[[str], object], str]] = [
                               "steps as captured programs: CUDA graphs, or on a CPU torch.compile (about half a "
                               "minute per batch bucket the first time, cached in .cache/inductor). Default: CUDA "
                               "graphs on a GPU, eager on a CPU"),
-    ("--quantize", _scheme, "int8 | int4: weight-only quantization of the model's matrices (chapter 13); "
+    ("--quantize", str.lower, "int8 | int4: weight-only quantization of the model's matrices (chapter 13); "
                             "activations are then bf16 unless --dtype says otherwise"),
 ]
 
@@ -201,5 +175,12 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
         raise UsageError(str(err)) from None
     try:
         return ServerConfig(**vars(args))
+    except EngineOptionError as err:
+        raise flag_error(err) from None
     except ValueError as err:
         raise UsageError(str(err)) from None
+
+
+def flag_error(err: EngineOptionError) -> UsageError:
+    """An engine option's error in the server's terms: ``--its-flag: the engine's message``."""
+    return UsageError(f"--{err.option.replace('_', '-')}: {err.message}")

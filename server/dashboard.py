@@ -10,8 +10,9 @@ What a snapshot holds, and where it comes from:
 
 - tokens/s and requests/s: the engine's generated-token counter and the finished-request
   count, differenced over the last ``RATE_WINDOW_S`` seconds;
-- running and waiting requests, KV-cache usage, preemptions: the engine's stats snapshot;
-- batch size: how many sequences the engine's latest step ran (``engine.last_step``);
+- running and waiting requests, KV-cache usage, preemptions, and the batch size (how many
+  sequences the engine's latest step ran): the engine's stats snapshot, which the engine
+  loop takes on the engine's own thread after every step;
 - TTFT and ITL percentiles over the last ``LATENCY_WINDOW_S`` seconds: the difference of the
   ``/metrics`` histograms' bucket counts across the window, read the way Prometheus'
   ``histogram_quantile`` reads them. These are server-side and bucketed: a percentile is
@@ -158,14 +159,13 @@ class StatsFeed:
         then, oldest = self._counters[-1 - back], self._counters[0]
         elapsed = now.time - then.time
         stats = self._engine.stats
-        last_step = self._engine.engine.last_step  # replaced whole by each step: safe to read here
         return {
             "t": round(now.time - self._started, 2),
             "tokens_per_s": round((now.tokens - then.tokens) / elapsed, 1) if elapsed > 0 else 0.0,
             "requests_per_s": round((now.finished - then.finished) / elapsed, 2) if elapsed > 0 else 0.0,
             "running": stats.running,
             "waiting": stats.waiting,
-            "batch_size": len(last_step.chunks) if last_step is not None and stats.running else 0,
+            "batch_size": stats.batch_size if stats.running else 0,
             "kv_cache_usage": round(stats.kv_cache_usage, 4),
             "preemptions": stats.preemptions,
             "ttft_ms": self._window_quantiles("ttft", now.ttft, oldest.ttft),

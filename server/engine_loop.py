@@ -13,6 +13,10 @@ and the two sides talk through two one-way channels:
   event loop with ``loop.call_soon_threadsafe``; there each output is put on the asyncio
   queue of the HTTP request waiting for it.
 
+Each of a request's ``n`` choices is one engine request, whose id is a :class:`Choice`: the
+HTTP request's id and the choice's index, as data, so an output finds its request and its
+place in the answer without any id being parsed.
+
 A failed step fails only the requests that were in its batch (their clients get an error,
 their blocks return to the pool); the loop goes on with everyone else. A request that cannot
 be admitted fails alone, whatever it raised. Only a bug in the loop itself ends it: then every
@@ -39,11 +43,11 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from minillm.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
-from minillm.engine.scheduler import SchedulerOutput
 from minillm.decoding.sampling import SamplingParams
 
 log = logging.getLogger("server.engine")
@@ -66,6 +70,18 @@ class EngineFailure(Exception):
     """The engine failed while working on this request (HTTP 500)."""
 
 
+class Choice(NamedTuple):
+    """Choice ``index`` of the ``count`` that HTTP request ``request_id`` asked for: the id of
+    the engine request that generates it."""
+
+    request_id: str
+    index: int
+    count: int
+
+    def __repr__(self) -> str:  # as the engine's messages name a request
+        return f"{self.request_id!r} (choice {self.index})"
+
+
 @dataclass
 class Event:
     """One step's output for choice ``index`` of a request."""
@@ -76,7 +92,7 @@ class Event:
 
 @dataclass
 class _Add:
-    ids: list[str]
+    ids: list[Choice]
     prompts: list[list[int]]
     params: list[SamplingParams]
     arrival: float
@@ -84,16 +100,16 @@ class _Add:
 
 @dataclass
 class _Abort:
-    ids: list[str]
+    ids: list[Choice]
 
 
 @dataclass
 class _Shutdown:
-    """End requests because the server is stopping: with ``groups`` (each request's choices),
-    those requests whose choices are all still queued, never scheduled; without, every
-    unfinished request (the grace period is over)."""
+    """End requests because the server is stopping: with ``queued_only``, those whose choices
+    are all still queued, never scheduled; without, every unfinished one (the grace period is
+    over)."""
 
-    groups: list[list[str]] | None = None
+    queued_only: bool = False
 
 
 _STOP = object()
@@ -108,12 +124,13 @@ class RequestStream:
     for any reason, a vanished client included, gives its KV blocks back.
     """
 
-    def __init__(self, engine: AsyncEngine, ids: list[str]) -> None:
-        self.ids = ids
+    def __init__(self, engine: AsyncEngine, request_id: str, choices: int) -> None:
+        self.request_id = request_id
+        self.choices = [Choice(request_id, i, choices) for i in range(choices)]
         self._engine = engine
         self._queue: asyncio.Queue[Event | Exception] = asyncio.Queue()
         self._head: Event | None = None
-        self.unfinished = set(ids)
+        self.unfinished = set(self.choices)
 
     def put(self, item: Event | Exception) -> None:
         self._queue.put_nowait(item)
@@ -160,8 +177,8 @@ class AsyncEngine:
         self.accepting = True
         self._stats_changed: asyncio.Future | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[RequestStream, int]] = {}  # event-loop side only
-        self._outbox: list[tuple[str, RequestOutput | Exception]] = []  # engine-thread side only
+        self._streams: dict[str, RequestStream] = {}  # by HTTP request id; event-loop side only
+        self._outbox: list[tuple[Choice, RequestOutput | Exception]] = []  # engine-thread side only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._crashed = False
@@ -187,21 +204,18 @@ class AsyncEngine:
 
     def submit(self, request_id: str, prompts: list[list[int]], params: list[SamplingParams],
                arrival: float) -> RequestStream:
-        """Queue one engine request per choice (``{request_id}-{i}``) and return their stream."""
+        """Queue one engine request per choice (a :class:`Choice`) and return their stream."""
         if not self.accepting:
             raise ShuttingDown("the server is shutting down")
         if not self.alive:
             raise EngineFailure("the engine loop is not running")
-        stream = RequestStream(self, [f"{request_id}-{i}" for i in range(len(prompts))])
-        for index, rid in enumerate(stream.ids):
-            self._streams[rid] = (stream, index)
-        self._inbox.put(_Add(stream.ids, prompts, params, arrival))
+        stream = self._streams[request_id] = RequestStream(self, request_id, len(prompts))
+        self._inbox.put(_Add(stream.choices, prompts, params, arrival))
         return stream
 
     def _release(self, stream: RequestStream) -> int:
         """Forget ``stream`` and ask the engine thread to abort its unfinished choices."""
-        for rid in stream.ids:
-            self._streams.pop(rid, None)
+        self._streams.pop(stream.request_id, None)
         unfinished = len(stream.unfinished)
         if unfinished:
             self._inbox.put(_Abort(sorted(stream.unfinished)))
@@ -230,17 +244,16 @@ class AsyncEngine:
         if self._stats_changed is not None:
             self._stats_changed.set_result(None)
             self._stats_changed = None
-        for rid, item in items:
-            stream, index = self._streams.get(rid, (None, 0))
+        for choice, item in items:
+            stream = self._streams.get(choice.request_id)
             if stream is not None:
-                stream.put(item if isinstance(item, Exception) else Event(index, item))
+                stream.put(item if isinstance(item, Exception) else Event(choice.index, item))
 
     def refuse_queued(self) -> None:
         """Shutting down: every request still queued and never scheduled gets ShuttingDown
         (503) now, rather than wait out the grace period for a slot it may never get. The
         engine thread decides what is still queued, so a request that starts meanwhile runs on."""
-        groups = list({id(stream): stream.ids for stream, _ in self._streams.values()}.values())
-        self._inbox.put(_Shutdown(groups))
+        self._inbox.put(_Shutdown(queued_only=True))
 
     def cut_off(self) -> None:
         """The grace period is over: every unfinished request gets ShuttingDown, so a stream
@@ -248,7 +261,7 @@ class AsyncEngine:
         self._inbox.put(_Shutdown())
 
     def _fail_everyone(self) -> None:
-        for stream, _ in list(self._streams.values()):
+        for stream in list(self._streams.values()):
             stream.put(EngineFailure("the engine loop stopped"))
         self.on_crash()
 
@@ -291,37 +304,36 @@ class AsyncEngine:
     def _add(self, message: _Add) -> None:
         """Queue all of a request's choices, or none: a full queue or a request the engine
         refuses (one that could never fit in the pool) is answered with an error instead."""
-        if self.engine.scheduler.num_waiting >= self.max_queue:
+        if self.engine.stats().waiting >= self.max_queue:
             self._outbox.append((message.ids[0], QueueFull(f"{self.max_queue} requests are already waiting")))
             return
         try:
-            for rid, prompt, params in zip(message.ids, message.prompts, message.params):
-                self.engine.add_request(rid, prompt, params, message.arrival)
+            for choice, prompt, params in zip(message.ids, message.prompts, message.params):
+                self.engine.add_request(choice, prompt, params, message.arrival)
         except Exception as err:  # whatever one request raises ends that request, never the loop
             self._abort(message.ids)  # the choices already queued, if any
             if isinstance(err, ValueError):
                 self._outbox.append((message.ids[0], Rejected(str(err))))
             else:
-                log.exception("admitting request %s failed", message.ids[0].rsplit("-", 1)[0])
+                log.exception("admitting request %s failed", message.ids[0].request_id)
                 self._outbox.append((message.ids[0], EngineFailure(f"the request could not be admitted: "
                                                                    f"{type(err).__name__}")))
 
     def _shut_down(self, message: _Shutdown) -> None:
-        if message.groups is None:
+        if not message.queued_only:
             error = ShuttingDown("the server shut down before this request finished")
             self._abort(self.engine.unfinished_request_ids, error)
             return
-        queued = self.engine.scheduler.queued_request_ids
+        queued = self.engine.queued_request_ids
+        waiting = Counter(choice.request_id for choice in queued)  # a request's choices still queued
         error = ShuttingDown("the server is shutting down; this request had not started")
-        for ids in message.groups:
-            if all(rid in queued for rid in ids):
-                self._abort(ids, error)
+        self._abort([choice for choice in queued if waiting[choice.request_id] == choice.count], error)
 
-    def _abort(self, ids: list[str], error: Exception | None = None) -> list[str]:
+    def _abort(self, ids: list[Choice], error: Exception | None = None) -> list[Choice]:
         """Abort the unfinished requests among ``ids``; each gets ``error``, if one is given."""
-        aborted = [rid for rid in ids if self.engine.abort(rid)]
+        aborted = [choice for choice in ids if self.engine.abort(choice)]
         if error is not None:
-            self._outbox.extend((rid, error) for rid in aborted)
+            self._outbox.extend((choice, error) for choice in aborted)
         return aborted
 
     def _step(self) -> None:
@@ -330,16 +342,16 @@ class AsyncEngine:
             outputs = self.engine.step()
         except Exception as err:
             batch = self.engine.last_step
-            self._fail_batch(err, batch if batch is not previous else None)
+            self._fail_batch(err, None if batch is previous else [chunk.seq.request_id for chunk in batch.chunks])
             return
         finally:
             self._step_started = None
         self._outbox.extend((out.request_id, out) for out in outputs)
 
-    def _fail_batch(self, err: Exception, batch: SchedulerOutput | None) -> None:
-        """End the requests of the step that raised, and nobody else. Each gets the error,
-        those the step had already finished too: the step's outputs are lost, so their clients
-        would otherwise wait for a last token that never comes. If the batch is unknown
+    def _fail_batch(self, err: Exception, batch: list[Choice] | None) -> None:
+        """End the requests of the step that raised, ``batch``, and nobody else. Each gets the
+        error, those the step had already finished too: the step's outputs are lost, so their
+        clients would otherwise wait for a last token that never comes. If the batch is unknown
         (scheduling itself failed, so ``last_step`` is still the previous step's), end every
         request, or the same failure would repeat."""
         log.exception("an engine step failed; ending the requests in its batch")
@@ -348,9 +360,9 @@ class AsyncEngine:
             self._abort(self.engine.unfinished_request_ids, error)
             return
         error = EngineFailure(f"the engine failed while generating: {type(err).__name__}: {err}")
-        ids = list(dict.fromkeys(chunk.seq.request_id for chunk in batch.chunks))
+        ids = list(dict.fromkeys(batch))
         self._abort(ids)
-        self._outbox.extend((rid, error) for rid in ids)
+        self._outbox.extend((choice, error) for choice in ids)
 
     def publish(self) -> None:
         """Hand this pass's outputs and a fresh stats snapshot to the event loop, in one wake-up."""

@@ -15,11 +15,11 @@ every chat client working; do not expect the answers to be helpful.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from minillm.decoding.sampling import SEED_MAX, SEED_MIN, SamplingParams
-from minillm.decoding.structured import JSON_OBJECT_SCHEMA, schema_error
+from minillm.decoding.structured import JSON_OBJECT_SCHEMA, grammar_compiler
 from minillm.data.tokenizer import Tokenizer
 from server.wire import OpenAIError, invalid
 
@@ -104,7 +104,7 @@ class GenerationRequest:
 
     def choices(self) -> list[tuple[list[int], SamplingParams]]:
         seed = self.params.seed
-        return [(prompt, self.params if seed is None else replace(self.params, seed=seed + j))
+        return [(prompt, self.params if seed is None else self.params.with_seed(seed + j))
                 for prompt in self.prompts for j in range(self.n)]
 
     @property
@@ -120,19 +120,21 @@ def parse_completion(body: Any, tokenizer: Tokenizer, card: ModelCard) -> Genera
     or a list of such lists. ``max_tokens`` defaults to OpenAI's 16, cut to what fits."""
     _check_fields(body, _COMPLETION_FIELDS, card)
     listed = _prompt_list(body.get("prompt"))
-    _count_choices(len(listed), _field(body, "n", 1))  # before any tokenizing: a count costs nothing
+    n = _count_choices(len(listed), _field(body, "n", 1))  # before any tokenizing: a count costs nothing
     prompts = [_tokens(p, tokenizer, card.vocab_size) for p in listed]
     max_tokens = _field(body, "max_tokens", None)
-    return _request(body, False, prompts, max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, card)
+    return _request(body, False, prompts, n, max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, card, tokenizer)
 
 
 def parse_chat(body: Any, tokenizer: Tokenizer, card: ModelCard) -> GenerationRequest:
     """``POST /v1/chat/completions``: ``messages`` through :func:`chat_prompt`. Without a
     limit the answer may run to the end of the context, as OpenAI's does."""
     _check_fields(body, _CHAT_FIELDS, card)
+    n = _count_choices(1, _field(body, "n", 1))
     prompt = tokenizer.encode(chat_prompt(body.get("messages")))
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return _request(body, True, [prompt], _field(body, param, None, _CHAT_FIELDS), card.max_model_len, card, param)
+    return _request(body, True, [prompt], n, _field(body, param, None, _CHAT_FIELDS), card.max_model_len, card,
+                    tokenizer, param)
 
 
 def _check_fields(body: Any, fields: dict[str, str | None], card: ModelCard) -> None:
@@ -222,9 +224,10 @@ def _content(content: Any, i: int) -> str:
     return content
 
 
-def _request(body: dict, chat: bool, prompts: list[list[int]], max_tokens: int | None, default_max: int,
-             card: ModelCard, max_tokens_param: str = "max_tokens") -> GenerationRequest:
-    """Check lengths against the context, then build the ``SamplingParams``."""
+def _request(body: dict, chat: bool, prompts: list[list[int]], n: int, max_tokens: int | None, default_max: int,
+             card: ModelCard, tokenizer: Tokenizer, max_tokens_param: str = "max_tokens") -> GenerationRequest:
+    """Check lengths against the context, then build the ``SamplingParams`` (``n``: the
+    choices per prompt, already checked)."""
     prompt_param = "messages" if chat else "prompt"
     longest = max(len(p) for p in prompts)
     if longest == 0:
@@ -242,7 +245,6 @@ def _request(body: dict, chat: bool, prompts: list[list[int]], max_tokens: int |
         raise invalid(f"this model's maximum context length is {card.max_model_len} tokens; you requested "
                       f"{longest + max_tokens} ({longest} in the prompt, {max_tokens} in the completion)",
                       max_tokens_param)
-    n = _count_choices(len(prompts), _field(body, "n", 1))
     seed = _field(body, "seed", None)  # SamplingParams checks its range; choice j draws with seed + j, so that must fit too
     if seed is not None and not SEED_MIN <= seed <= SEED_MAX - (n - 1):
         raise invalid(f"seed must be in {SEED_MIN}..{SEED_MAX - (n - 1)} with n={n} "
@@ -261,7 +263,7 @@ def _request(body: dict, chat: bool, prompts: list[list[int]], max_tokens: int |
     if not 0 <= temperature <= MAX_TEMPERATURE:
         raise invalid(f"temperature must be in 0..{MAX_TEMPERATURE:g}, got {_short(temperature)}", "temperature")
     logprobs = _logprobs(body, chat)
-    json_schema = _response_format(body)
+    json_schema = _response_format(body, tokenizer)
     try:
         params = SamplingParams(
             max_tokens=min(default_max, room) if max_tokens is None else max_tokens,
@@ -323,11 +325,12 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
     return out
 
 
-def _response_format(body: dict) -> dict | None:
+def _response_format(body: dict, tokenizer: Tokenizer) -> dict | None:
     """The JSON Schema the answer must follow, or None for free text: OpenAI's
     ``{"type": "json_object"}`` (any object) and ``{"type": "json_schema", "json_schema":
     {"name": ..., "schema": {...}}}`` (``strict`` and ``description`` change nothing: every
-    schema here is enforced)."""
+    schema here is enforced). The schema is compiled here, once for all of the request's
+    choices: :func:`~minillm.decoding.structured.grammar_compiler` is the engine's compiler too."""
     fmt = _field(body, "response_format", None) or {"type": "text"}
     kind = fmt.get("type")
     if kind == "text":
@@ -341,9 +344,10 @@ def _response_format(body: dict) -> dict | None:
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("schema"), dict):
         raise invalid("response_format json_schema must be an object with a \"name\" (a string) and a \"schema\" "
                       "(an object)", "response_format")
-    problem = schema_error(spec["schema"])
-    if problem:
-        raise invalid(f"response_format json_schema cannot be enforced: {problem[:300]}", "response_format")
+    try:
+        grammar_compiler(tokenizer).check(spec["schema"])
+    except ValueError as err:
+        raise invalid(f"response_format {err}", "response_format") from None
     return spec["schema"]
 
 

@@ -16,7 +16,7 @@ from minillm.decoding.sampling import SamplingParams
 
 
 def make_seq(tokens: list[int], rid: str = "r") -> Sequence:
-    return Sequence.from_prompt(rid, tokens, SamplingParams(max_tokens=8), max_model_len=1024)
+    return Sequence(rid, tokens, SamplingParams(max_tokens=8), max_model_len=1024)
 
 
 def admit_and_compute(alloc: BlockAllocator, seq: Sequence, upto: int | None = None) -> None:

@@ -75,8 +75,8 @@ def test_a_snapshot_reads_its_rates_and_latencies_over_windows_of_the_feeds_cloc
     ``RATE_WINDOW_S`` (four ticks back), not since the start; latencies over the whole window."""
     assert (TICK_S, RATE_WINDOW_S) == (0.5, 2.0)  # the arithmetic below
     stats = EngineStats(running=2, waiting=1, kv_blocks_used=16, kv_blocks_total=64, kv_tokens=0, preemptions=3,
-                        prefix_cache_hit_rate=0.0, steps=0, prefill_tokens=0, generated_tokens=0)
-    engine = SimpleNamespace(stats=stats, engine=SimpleNamespace(last_step=None))
+                        prefix_cache_hit_rate=0.0, steps=0, prefill_tokens=0, generated_tokens=0, batch_size=2)
+    engine = SimpleNamespace(stats=stats)
     metrics = Metrics(engine)
     now = [50.0]
     feed = StatsFeed(engine, metrics, lambda: {"state": "idle"}, clock=lambda: now[0])
@@ -95,7 +95,7 @@ def test_a_snapshot_reads_its_rates_and_latencies_over_windows_of_the_feeds_cloc
     assert last["requests_per_s"] == 2.0 and last["ttft_ms"] == {"p50": 30.0, "p95": 39.0, "p99": 39.8}
     assert last["itl_ms"] == {"p50": None, "p95": None, "p99": None}  # no gaps observed
     assert (last["running"], last["waiting"], last["batch_size"], last["kv_cache_usage"], last["preemptions"],
-            last["traffic"]) == (2, 1, 0, 0.25, 3, {"state": "idle"})
+            last["traffic"]) == (2, 1, 2, 0.25, 3, {"state": "idle"})
 
 
 def test_the_event_stream_ticks_and_ends_at_shutdown(model: GPT) -> None:

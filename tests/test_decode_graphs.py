@@ -9,11 +9,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from minillm.model.config import get_preset
-from minillm.engine import LLM
+from minillm.engine import LLM, build_engine
 from minillm.speedups import decode_graphs
 from minillm.engine.block_allocator import BlockAllocator
 from minillm.speedups.decode_graphs import DecodeGraphs, bucket_sizes, capture_unsupported
-from minillm.engine.kv_cache import PagedKVPool
+from minillm.engine.kv_cache import PagedKVPool, gather_decode_attention, loop_decode_attention, slot_of
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
 from minillm.model.gpt import GPT
@@ -68,6 +68,25 @@ def test_the_pad_block_is_storage_the_allocator_never_hands_out():
     assert sorted(taken) == list(range(6))
 
 
+def test_one_slot_formula_and_one_padded_gather_serve_every_path():
+    """Slots by position, on ints and on tensors alike; tables padded with the pad block; and
+    the gather the eager and the captured decode share, with the pool's scratch or without,
+    equal to reading each row's own slots one row at a time."""
+    cfg = get_preset("tiny")
+    pool = PagedKVPool(cfg, 8, 4, torch.device("cpu"), torch.float32)
+    pool.k.normal_(), pool.v.normal_()
+    table = [5, 2, 7]
+    assert [slot_of(table, p, 4) for p in range(11)] == [20, 21, 22, 23, 8, 9, 10, 11, 28, 29, 30]
+    assert slot_of(torch.tensor(table), torch.arange(11), 4).tolist() == [slot_of(table, p, 4) for p in range(11)]
+    tables = torch.tensor([pool.table_row(table, 4), pool.table_row([1], 4)])
+    assert tables[1].tolist() == [1, pool.pad_block, pool.pad_block, pool.pad_block]
+    q = torch.randn(2, cfg.n_heads, cfg.head_dim)
+    args = (q, pool.k[1], pool.v[1], tables, torch.tensor([11, 3]))
+    expected = loop_decode_attention(*args)
+    torch.testing.assert_close(gather_decode_attention(*args), expected)
+    torch.testing.assert_close(gather_decode_attention(*args, scratch=pool.scratch(tables.numel())), expected)
+
+
 def test_compiled_decode_gives_the_eager_tokens_through_preemption_and_prefix_hits():
     model = _model()
     prompts, params = _workload()
@@ -85,7 +104,7 @@ def test_compiled_decode_gives_the_eager_tokens_through_preemption_and_prefix_hi
 
 def test_padding_rows_write_only_the_pad_block():
     model = _model()
-    engine = LLMEngine(model, EngineConfig(num_blocks=8, block_size=4, max_num_seqs=4, enforce_eager=False))
+    engine = build_engine(model, EngineConfig(num_blocks=8, block_size=4, max_num_seqs=4, enforce_eager=False))
     for i in range(3):
         engine.add_request(f"r{i}", [5 + i, 6, 7], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     engine.step()  # the three prefills
@@ -159,19 +178,27 @@ def test_models_the_captured_step_does_not_cover_run_eagerly():
     model = _model()
     quantize_model(model, "int8")
     assert "quantized" in capture_unsupported(model)
-    engine = LLMEngine(model, EngineConfig(num_blocks=8, block_size=4, enforce_eager=False))
+    engine = build_engine(model, EngineConfig(num_blocks=8, block_size=4, enforce_eager=False))
     assert engine.graphs is None and "quantized" in engine.eager_reason
-    assert LLMEngine(_model(), EngineConfig(num_blocks=8, block_size=4)).graphs is None  # a CPU compiles when asked
+    assert build_engine(_model(), EngineConfig(num_blocks=8, block_size=4)).graphs is None  # a CPU compiles when asked
+
+
+def test_the_plain_engine_runs_eagerly_and_refuses_what_needs_a_plug_in():
+    engine = LLMEngine(_model(), EngineConfig(num_blocks=8, block_size=4))
+    assert engine.graphs is None and "plain" in engine.eager_reason
+    for option in (dict(enforce_eager=False), dict(pack_weights=True), dict(attention="triton")):
+        with pytest.raises(ValueError, match="build_engine"):
+            LLMEngine(_model(), EngineConfig(num_blocks=8, block_size=4, **option))
 
 
 def test_the_server_prepares_every_bucket_before_it_listens_and_says_so():
     from server.__main__ import prepare_decode
 
-    engine = LLMEngine(_model(), EngineConfig(num_blocks=8, block_size=4, max_num_seqs=2, enforce_eager=False))
+    engine = build_engine(_model(), EngineConfig(num_blocks=8, block_size=4, max_num_seqs=2, enforce_eager=False))
     line = prepare_decode(engine)
     assert sorted(engine.graphs.prepare_seconds) == [1, 2]
     assert line.startswith("decode steps compiled with torch.compile for batches of 1..2 in ")
-    eager = LLMEngine(_model(), EngineConfig(num_blocks=8, block_size=4, enforce_eager=True))
+    eager = build_engine(_model(), EngineConfig(num_blocks=8, block_size=4, enforce_eager=True))
     assert prepare_decode(eager) == "decode steps run eagerly (enforce_eager)"
 
 

@@ -173,9 +173,9 @@ def test_a_finished_request_leaves_nothing_behind(model: GPT) -> None:
     import gc
     import weakref
 
-    from minillm.speedups.speculative.speculator import Speculator
+    from minillm.speedups.speculative.speculator import SpeculativeEngine, Speculator
 
-    engine = LLMEngine(model, EngineConfig(num_blocks=32, block_size=8), speculator=Speculator.with_ngram(3))
+    engine = SpeculativeEngine(model, EngineConfig(num_blocks=32, block_size=8), speculator=Speculator.with_ngram(3))
     sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=3, stop=["zz"], ignore_eos=True)
     done = engine.add_request("done", [5, 6, 7, 5, 6, 7, 5, 6], sampled)
     gone = engine.add_request("gone", [1, 2, 3], greedy(50))

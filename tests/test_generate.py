@@ -5,6 +5,8 @@ import torch
 
 from minillm.model.config import ModelConfig
 from minillm.decoding.generate import ContiguousKVCache, generate_kv_cache, generate_naive, generate_static_batch
+from minillm.decoding.sampling import SamplingParams
+from minillm.engine import LLM
 from minillm.model.gpt import GPT
 
 
@@ -46,12 +48,19 @@ def test_sampled_kv_cache_matches_naive_with_the_same_seed(model: GPT) -> None:
     assert cached == naive
 
 
-def test_stop_token_ends_generation(model: GPT) -> None:
+def test_stop_token_ends_generation_by_one_rule_in_every_loop(model: GPT) -> None:
+    """The loops and the engine share one stop rule (``SamplingParams.finish_reason``): each
+    stops at the stop token's first appearance, keeping it, and a limit of 0 gives nothing."""
     full = generate_naive(model, [1, 2, 3], 12)
     stop = full[4]
-    first = full.index(stop)
-    assert generate_kv_cache(model, [1, 2, 3], 12, stop_token=stop) == full[: first + 1]
-    assert generate_static_batch(model, [[1, 2, 3]], 12, stop_token=stop) == [full[: first + 1]]
+    want = full[: full.index(stop) + 1]
+    assert generate_naive(model, [1, 2, 3], 12, stop_token=stop) == want
+    assert generate_kv_cache(model, [1, 2, 3], 12, stop_token=stop) == want
+    assert generate_static_batch(model, [[1, 2, 3]], 12, stop_token=stop) == [want]
+    params = SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop])
+    (engine,) = LLM(model, num_blocks=16, block_size=8).generate([[1, 2, 3]], params, use_tqdm=False)
+    assert (engine.token_ids, engine.finish_reason) == (want, "stop")
+    assert generate_naive(model, [1, 2, 3], 0) == generate_kv_cache(model, [1, 2, 3], 0) == []
 
 
 def test_static_batch_matches_naive_with_mixed_lengths(model: GPT) -> None:

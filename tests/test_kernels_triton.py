@@ -29,6 +29,7 @@ from minillm.engine import LLM, SamplingParams  # noqa: E402
 from minillm.speedups.kernels.flash_triton import flash_attention  # noqa: E402
 from minillm.speedups.kernels.paged_triton import paged_decode_attention  # noqa: E402
 from minillm.model.gpt import GPT  # noqa: E402
+from minillm.speedups import decode_graphs  # noqa: E402
 
 DEVICE = torch.device("cpu" if interpreting() else "cuda")
 pytestmark = pytest.mark.cuda  # compiled on a GPU where there is one: the GPU check runs these natively
@@ -113,10 +114,13 @@ def test_paged_decode_rejects_bad_shapes() -> None:
         paged_decode_attention(randn(3, 4, 16), pool, pool, torch.zeros(3, 1, dtype=torch.long), torch.ones(3))
 
 
-def test_engine_with_triton_attention_gives_the_same_greedy_tokens() -> None:
-    """Prefill through the FlashAttention kernel, decodes through the paged kernel, against the
-    engine's PyTorch attention. Prompts of different lengths give ragged decode groups, and
-    4-token blocks make them span several blocks."""
+def test_engine_with_triton_attention_gives_the_same_greedy_tokens(monkeypatch) -> None:
+    """Prefill through the FlashAttention kernel, decodes through the paged kernel, eagerly and
+    in captured decode steps (compiled on a CPU, without autotuning; CUDA graphs on a GPU),
+    against the engine's eager PyTorch attention. Prompts of different lengths give ragged
+    decode groups, and 4-token blocks make them span several blocks."""
+    no_autotuning = {**decode_graphs.CPU_INDUCTOR_CONFIG, "max_autotune": False}
+    monkeypatch.setattr(decode_graphs, "CPU_INDUCTOR_CONFIG", no_autotuning)
     torch.manual_seed(0)
     model = GPT(ModelConfig(context_length=64, d_model=64, n_layers=2, n_heads=4)).to(DEVICE).eval()
     with torch.no_grad():  # peaky logits: greedy decoding has no near-ties to break differently
@@ -125,11 +129,15 @@ def test_engine_with_triton_attention_gives_the_same_greedy_tokens() -> None:
                 p.normal_(0, 0.2)
     prompts = [[464, 3290, 373, 257, 1310, 11, 290], [7454, 2402]]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    runs = {"torch": dict(attention="torch", enforce_eager=True),
+            "triton": dict(attention="triton", enforce_eager=True),
+            "triton, captured": dict(attention="triton", enforce_eager=False)}
     tokens = {}
-    for backend in ("torch", "triton"):
-        llm = LLM(model, attention=backend, num_blocks=16, block_size=4)
-        tokens[backend] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert tokens["triton"] == tokens["torch"]
+    for name, options in runs.items():
+        llm = LLM(model, num_blocks=16, block_size=4, max_num_seqs=2, **options)
+        tokens[name] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.engine.graphs is not None and llm.engine.graphs.prepare_seconds  # the last run's steps were captured
+    assert tokens["triton"] == tokens["torch"] == tokens["triton, captured"]
     assert [len(t) for t in tokens["triton"]] == [6, 6]
 
 

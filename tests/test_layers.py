@@ -1,5 +1,19 @@
-"""The package's shape: imports point one way, the HTTP programs stay free of torch, and
-``import minillm.engine`` stays light."""
+"""The package's shape: layers import downwards only, the core engine imports no plug-in, the
+server reaches the engine through its public API, the HTTP programs stay free of torch, and
+``import minillm.engine`` stays light.
+
+The layers, lowest first (a module may import its own layer and the ones before it):
+
+- the foundations ``minillm.settings``, ``minillm.cli``, ``minillm.sizes`` (no torch);
+- ``data`` (tokens and corpus), ``model`` (the GPT), ``decoding`` (from logits to text);
+- ``machine``: the hardware measured, and chapter 1's roofline, which times the model's decode
+  steps, so it sits on the model and decoding rather than beneath them;
+- ``train``; ``engine`` (the core); ``speedups`` and ``distributed`` (plug-ins); ``export``;
+  ``bench`` and ``python -m minillm``; then ``server``.
+
+``minillm.engine.build`` is the one module allowed to reach up: ``build_engine`` is where the
+plug-ins are wired into the core.
+"""
 
 from __future__ import annotations
 
@@ -19,10 +33,17 @@ def loaded_modules(code: str) -> set[str]:
 
 
 def test_the_router_and_the_load_generator_import_neither_torch_nor_the_engine():
-    loaded = loaded_modules("import server.router.__main__, server.router.config, server.router.bench, server.loadgen.__main__")
+    programs = sorted(m for m in import_graph() if m.startswith(("server.router", "server.loadgen")))
+    loaded = loaded_modules("\n".join(f"import {m}" for m in programs))
     assert "torch" not in loaded
     assert not {m for m in loaded if m.startswith("minillm.engine")}
-    assert "server.router" in loaded  # (the probe did import them)
+    assert {"server.router.__main__", "server.router.bench", "server.loadgen.__main__"} <= set(programs) <= loaded
+
+
+def test_the_naive_loop_does_not_load_the_grammar_machinery():
+    loaded = loaded_modules("import minillm.decoding.generate")
+    assert "minillm.decoding.sampling" in loaded
+    assert "minillm.decoding.structured" not in loaded and "llguidance" not in loaded
 
 
 def test_importing_the_engine_loads_no_checkpoints_quantization_or_progress_bars():
@@ -100,3 +121,78 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_minillm_never_imports_server():
     graph = import_graph()
     assert not {m for m, deps in graph.items() if m.startswith("minillm") for d in deps if d.startswith("server")}
+
+
+LAYERS = [
+    ("minillm", "minillm.settings", "minillm.cli", "minillm.sizes"),
+    ("minillm.data",),
+    ("minillm.model",),
+    ("minillm.decoding",),
+    ("minillm.machine",),
+    ("minillm.train",),
+    ("minillm.engine",),
+    ("minillm.speedups", "minillm.distributed"),
+    ("minillm.export",),
+    ("minillm.bench", "minillm.__main__"),
+    ("server",),
+]
+WIRING = {"minillm.engine.build"}  # build_engine: where plug-ins are wired into the core
+
+
+def layer_of(module: str) -> int:
+    """The index in ``LAYERS`` of the longest prefix that names ``module``'s layer."""
+    best, rank = "", -1
+    for i, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > len(best):
+                best, rank = prefix, i
+    assert rank >= 0, f"{module} is in no layer: add its folder to LAYERS"
+    return rank
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every edge from a module to a module of a higher layer, wiring excepted."""
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() if m not in WIRING
+                  for d in deps if layer_of(d) > layer_of(m))
+
+
+def test_every_import_points_down_the_layers():
+    graph = import_graph()
+    assert upward_imports(graph) == []
+
+
+def test_the_layer_check_catches_a_planted_upward_import():
+    graph = import_graph()
+    planted = {**graph, "minillm.engine.scheduler": graph["minillm.engine.scheduler"] | {"minillm.speedups.packed"},
+               "minillm.data.corpus": graph["minillm.data.corpus"] | {"minillm.model.gpt"}}
+    assert set(upward_imports(planted)) - set(upward_imports(graph)) == {
+        "minillm.data.corpus -> minillm.model.gpt", "minillm.engine.scheduler -> minillm.speedups.packed"}
+    assert upward_imports({"minillm.engine.build": {"minillm.speedups.packed"}}) == []  # the wiring may
+
+
+def test_the_core_engine_imports_no_plug_in():
+    graph = import_graph()
+    core = {m: deps for m, deps in graph.items() if m.startswith("minillm.engine") and m not in WIRING}
+    assert "minillm.engine.llm_engine" in core and "minillm.engine.model_runner" in core
+    plugged = {f"{m} -> {d}" for m, deps in core.items() for d in deps
+               if d.startswith(("minillm.speedups", "minillm.distributed"))}
+    assert plugged == set()
+
+
+def attribute_uses(path: Path, names: set[str]) -> list[str]:
+    """``obj.NAME`` uses in a file, for each NAME in ``names``, as ``file:line .NAME``."""
+    tree = ast.parse(path.read_text())
+    return [f"{path.name}:{n.lineno} .{n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in names]
+
+
+def test_the_server_reaches_the_engine_through_its_public_api_only():
+    """The engine's parts (scheduler, allocator, runner) are its own; and what a step ran is
+    read on the engine's thread (the engine loop), never from the dashboard's."""
+    server = sorted((ROOT / "server").rglob("*.py"))
+    assert attribute_uses(server[0].parent / "engine_loop.py", {"engine"})  # (the scan does see attributes)
+    assert [u for p in server for u in attribute_uses(p, {"scheduler", "allocator", "runner"})] == []
+    assert [u for p in server if p.name != "engine_loop.py" for u in attribute_uses(p, {"last_step"})] == []
+    internals = {"minillm.engine.scheduler", "minillm.engine.block_allocator", "minillm.engine.model_runner",
+                 "minillm.engine.kv_cache"}
+    graph = import_graph()
+    assert {f"{m} -> {d}" for m, deps in graph.items() if m.startswith("server") for d in deps & internals} == set()

@@ -22,7 +22,7 @@ from minillm.model.checkpoint import save_checkpoint
 from minillm.cli import UsageError
 from minillm.model.config import ModelConfig, get_preset
 from minillm.engine import LLM, SamplingParams
-from minillm.engine.build import EngineOptionError
+from minillm.engine.config import EngineOptionError
 from minillm.engine.kv_cache import kv_bytes_per_token
 from minillm.engine.config import EngineConfig
 from minillm.engine.memory import (MemoryBudgetError, mib, plan, resident_bytes, weight_bytes,
@@ -114,7 +114,7 @@ def test_a_tensor_parallel_split_is_per_rank() -> None:
         split, engine = llm.engine.memory, llm.engine
         assert split.block_bytes == 16 * kv_bytes_per_token(shard_config(model.cfg, 2), torch.float32)
         assert split.block_bytes * 2 == 16 * kv_bytes_per_token(model.cfg, torch.float32)
-        assert split.weights == weight_bytes(engine.model.shard) < weight_bytes(model)
+        assert split.weights == weight_bytes(engine.model.local) < weight_bytes(model)
         assert engine.pool.nbytes == split.kv_cache and engine.allocator.num_blocks == split.blocks
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
         assert len(out[0].token_ids) == 4
@@ -184,7 +184,7 @@ def test_the_cli_refuses_too_small_a_budget_in_one_line(tmp_path: Path) -> None:
 
 
 def test_memory_budget_and_kv_cache_memory_are_refused_together() -> None:
-    with pytest.raises(UsageError, match="--memory-budget and --kv-cache-memory both size the KV cache"):
+    with pytest.raises(UsageError, match="--memory-budget: .*kv_cache_memory and num_blocks size it alone: give one"):
         parse_args(["--memory-budget", "6GiB", "--kv-cache-memory", "1GiB"])
     with pytest.raises(ValueError, match="give one of them"):
         EngineConfig(memory_budget="6GiB", num_blocks=10)
@@ -230,14 +230,12 @@ def test_the_split_shows_in_the_banner_and_metrics() -> None:
     assert memory_line(plain).startswith(f"KV cache 1.0 MiB ({plain.pool.num_blocks:,} blocks of 16 tokens")
 
 
-def test_weights_count_each_tensor_once_and_packed_copies_too() -> None:
+def test_weights_count_each_tensor_once() -> None:
     model = GPT(get_preset("tiny"))
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert weight_bytes(model, model) == params
-    packed = pack_weights(model)  # shares every parameter, adds a copy of each matrix
-    matrices = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
-    matrices += model.tok_emb.weight.numel() * 4  # the tied output projection
-    assert weight_bytes(packed, model) == params + matrices
+    assert weight_bytes(pack_weights(model), model) == params  # the packed copy shares every parameter
+    assert weight_bytes(model, GPT(get_preset("tiny"))) == 2 * params
 
 
 def test_quantized_weights_are_measured_as_stored() -> None:

@@ -8,9 +8,9 @@ import torch
 from models import tiny_model
 
 from minillm.engine import LLM, SamplingParams
-from minillm.engine import model_runner
 from minillm.model.gpt import GPT
 from minillm.decoding.penalties import adjust_logits_
+from minillm.decoding.processors import PROCESSORS
 
 EOS = 7
 
@@ -124,10 +124,10 @@ def test_a_seeded_adjusted_request_ignores_its_neighbours(model: GPT):
 
 def test_a_batch_that_adjusts_nothing_never_adjusts(model: GPT, monkeypatch):
     def refuse(*args, **kwargs):
-        raise AssertionError("adjust_logits_ called for a batch without penalties")
+        raise AssertionError("a logits processor ran for a batch where no row asks")
 
-    monkeypatch.setattr(model_runner, "adjust_logits_", refuse)
-    monkeypatch.setattr(model_runner, "token_logprobs", refuse)
+    for processor in PROCESSORS:
+        monkeypatch.setattr(processor, "apply_", refuse)
     outs = LLM(model).generate([[1, 2, 3], [4, 5]], [SamplingParams(max_tokens=5, temperature=0),
                                                      SamplingParams(max_tokens=5, temperature=0.7, seed=1)], use_tqdm=False)
     assert all(o.token_ids for o in outs)  # they ran, through a sampler that never adjusted

@@ -3,13 +3,18 @@ request's tokens do not depend on its batch neighbours."""
 
 from __future__ import annotations
 
+import ast
 import math
 import random
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
+from minillm.decoding import sampling
 from minillm.decoding.sampling import GREEDY_TEMPERATURE, SAMPLE_CHUNK_ROWS, SEED_MAX, SEED_MIN, SamplingParams, _filter, _invert_cdf, distribution, make_generator, sample
 
 VOCAB = 1000
@@ -414,7 +419,7 @@ def test_top_p_one_keeps_a_tail_that_rounding_pushed_past_the_total():
     ("presence_penalty", 2.5), ("frequency_penalty", -2.1), ("frequency_penalty", float("inf")),
     ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("logit_bias", {3: 101}), ("logit_bias", {-1: 1}),
     ("logit_bias", {"3": 1}), ("min_tokens", 17), ("min_tokens", -1), ("logprobs", 21), ("logprobs", True),
-    ("prompt_logprobs", -1),
+    ("prompt_logprobs", -1), ("json_schema", "not an object"),
 ])
 def test_bad_fields_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=field):
@@ -442,6 +447,30 @@ def test_a_seed_outside_a_generators_range_is_refused_when_the_params_are_made()
     for bad in (SEED_MIN - 1, SEED_MAX + 1, 10**30):
         with pytest.raises(ValueError, match="^seed must be an integer in"):
             SamplingParams(temperature=1.0, seed=bad)
+        with pytest.raises(ValueError, match="^seed must be an integer in"):
+            SamplingParams(temperature=1.0, seed=0).with_seed(bad)
+
+
+def test_a_choices_seed_is_set_without_checking_the_rest_again(monkeypatch) -> None:
+    """A request's ``n`` choices share its settings, checked once when they were made."""
+    params = SamplingParams(temperature=1.0, seed=7, stop=["\n"], logit_bias={3: 1.0})
+    monkeypatch.setattr(SamplingParams, "__post_init__", lambda self: pytest.fail("checked again"))
+    choice = params.with_seed(8)
+    assert vars(choice) == {**vars(params), "seed": 8} and params.seed == 7
+
+
+def test_the_sampler_never_imports_the_grammar_machinery() -> None:
+    """Chapter 5's naive loop samples with this module; chapter 10's grammars (llguidance, a
+    torch table) must not come with it, at import or from inside any of its functions."""
+    probe = "import sys, minillm.decoding.sampling; print([m for m in sys.modules if m.startswith(('minillm', 'llguidance'))])"
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, check=True)
+    loaded = set(ast.literal_eval(out.stdout))
+    assert "minillm.decoding.sampling" in loaded and not {"minillm.decoding.structured", "llguidance"} & loaded
+    tree = ast.parse(Path(sampling.__file__).read_text())
+    imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert "torch" in imported and not [m for m in imported if m and "structured" in m]
 
 
 def test_a_batch_larger_than_a_chunk_draws_each_row_as_if_alone() -> None:

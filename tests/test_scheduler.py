@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from minillm.engine.block_allocator import BlockAllocator
 from minillm.engine.scheduler import RequestRejected, Scheduler, SchedulerOutput
-from minillm.engine.sequence import FinishReason, Sequence, SequenceStatus
-from minillm.decoding.sampling import SamplingParams
+from minillm.engine.sequence import Sequence, SequenceStatus
+from minillm.decoding.sampling import FinishReason, SamplingParams
 
 EOS = 0
 
@@ -25,7 +25,7 @@ def next_token(tokens: list[int]) -> int:
 
 def reference_output(prompt: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
     """What a request generates alone, with no cache, no batching and no preemption."""
-    seq = Sequence.from_prompt("ref", prompt, params, max_model_len, EOS)
+    seq = Sequence("ref", prompt, params, max_model_len, EOS)
     while not seq.is_finished:
         seq.append_token(next_token(seq.token_ids), 0.0)
     return seq.output_ids
@@ -46,7 +46,7 @@ class Sim:
         self.now = 0.0
 
     def add(self, rid: str, prompt: list[int], **params) -> Sequence:
-        seq = Sequence.from_prompt(rid, prompt, SamplingParams(**params), self.sched.max_model_len, EOS, self.now)
+        seq = Sequence(rid, prompt, SamplingParams(**params), self.sched.max_model_len, EOS, self.now)
         self.sched.add(seq)
         self.added.append(seq)
         return seq
@@ -76,7 +76,7 @@ class Sim:
         self.first_admitted += [c.seq for c in out.chunks if id(c.seq) not in was_admitted]
         for chunk in out.chunks:
             self.run_chunk(chunk)
-        finished = self.sched.postprocess(out, self.now)
+        finished = self.sched.postprocess(out)
         assert all(s.is_finished and not s.block_table for s in finished)
         self.check_blocks()
         return out
@@ -191,7 +191,6 @@ def test_the_newest_is_preempted_and_requeued_first_with_its_cache_kept():
         out = sim.step()
     assert out.preempted == [new] and old.status is SequenceStatus.RUNNING
     assert list(sim.sched.waiting) == [new, late] and sim.sched.num_preemptions == 1
-    assert sim.sched.stats().num_preemptions == 1
     while new.status is not SequenceStatus.RUNNING:
         sim.step()
     assert new.num_cached_prompt_tokens > 0  # its full blocks were still in the prefix cache
@@ -259,7 +258,7 @@ def test_shared_prompts_hit_the_prefix_cache():
     second = sim.add("2", prompt, max_tokens=1)
     (chunk,) = sim.step().chunks
     assert (chunk.start, chunk.num_tokens, second.num_cached_prompt_tokens) == (32, 8, 32)
-    assert sim.sched.stats().prefix_cache_hit_rate == 32 / 80
+    assert sim.alloc.prefix_hit_rate == 32 / 80  # what the engine's stats report
 
 
 @pytest.mark.parametrize(
@@ -297,17 +296,19 @@ def test_abort_frees_blocks_waiting_running_or_mid_step():
     assert sim.sched.abort("w", sim.now) is waiting and waiting.finish_reason is FinishReason.ABORT
     out = sim.sched.schedule(sim.now)
     assert sim.sched.abort("r", sim.now) is running  # while its step runs
-    assert sim.sched.postprocess(out, sim.now) == [] and running.num_computed_tokens == 9
+    assert sim.sched.postprocess(out) == [] and running.num_computed_tokens == 9
     assert sim.sched.abort("r", sim.now) is None and sim.sched.abort("nobody", sim.now) is None
     assert not sim.sched.has_unfinished and sim.alloc.num_free_blocks == sim.alloc.num_blocks
 
 
 def test_append_token_finishes_on_stop_and_length():
     def seq(**params) -> Sequence:
-        return Sequence.from_prompt("s", [5, 6], SamplingParams(**params), max_model_len=5, eos_token_id=EOS)
+        return Sequence("s", [5, 6], SamplingParams(**params), max_model_len=5, eos_token_id=EOS)
 
-    s = seq(max_tokens=2)
+    prompt = [5, 6]
+    s = Sequence("s", prompt, SamplingParams(max_tokens=2), max_model_len=5, eos_token_id=EOS)
     s.append_token(4, 1.0)
+    assert (s.prompt_len, s.output_ids, prompt) == (2, [4], [5, 6])  # made from a copy of its prompt
     s.append_token(EOS, 2.0)  # the end-of-text token and the last allowed one: a stop wins
     assert (s.finish_reason, s.output_ids, s.token_times) == (FinishReason.STOP, [4, EOS], [1.0, 2.0])
     assert (s.first_token_time, s.finish_time) == (1.0, 2.0)

@@ -26,9 +26,10 @@ from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import EngineStats, LLMEngine
 from minillm.model.gpt import GPT
 from minillm.data.tokenizer import get_tokenizer
+from minillm.decoding.sampling import SamplingParams
 from server.app import STATE, State, create_app
 from server.config import ServerConfig
-from server.engine_loop import AsyncEngine
+from server.engine_loop import AsyncEngine, Choice, RequestStream, ShuttingDown
 from server.responses import Responses
 
 CONTEXT = 128
@@ -390,5 +391,85 @@ def test_health_is_503_once_the_engine_stops(model: GPT) -> None:
             assert (await client.get("/health")).status == 503
             refused = await client.post("/v1/completions", json={"prompt": "hi"})
             assert refused.status == 503 and (await refused.json())["error"]["code"] == "shutting_down"
+
+    run(main())
+
+
+@contextlib.asynccontextmanager
+async def engine_loop(model: GPT, max_num_seqs: int = 16) -> AsyncIterator[AsyncEngine]:
+    """An engine loop with no HTTP around it, stopped on the way out."""
+    loop = AsyncEngine(LLMEngine(model, EngineConfig(num_blocks=64, block_size=8, max_num_seqs=max_num_seqs),
+                                 get_tokenizer()))
+    loop.start()
+    try:
+        yield loop
+    finally:
+        await loop.stop()
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+async def drain(stream: RequestStream, choices: int) -> list[list[int]]:
+    """Each choice's tokens, from the stream's events, which must each name their own choice."""
+    tokens: list[list[int]] = [[] for _ in range(choices)]
+    async for event in stream:
+        assert event.output.request_id == Choice(stream.request_id, event.index, choices)
+        tokens[event.index] += event.output.new_token_ids
+    stream.close()
+    return tokens
+
+
+def test_two_choices_of_one_request_stream_independently(model: GPT) -> None:
+    """Each output reaches its own choice: a choice that stops early ends while its sibling runs
+    on, each gets the tokens it would alone, and a request beside them gets only its own."""
+    prompt = get_tokenizer().encode("Once upon a time")
+
+    async def main() -> None:
+        async with engine_loop(model) as loop:
+            both = loop.submit("both", [prompt, prompt], [greedy(8), greedy(3)], 0.0)
+            other = loop.submit("other", [prompt], [greedy(3)], 0.0)
+            (long, short), (alone,) = await asyncio.gather(drain(both, 2), drain(other, 1))
+            assert len(long) == 8 and short == long[:3] == alone
+            assert loop._streams == {} and idle(await loop.wait_until(idle))
+
+    run(main())
+
+
+def test_closing_a_request_aborts_every_one_of_its_choices(model: GPT) -> None:
+    """A request that goes away ends all of its choices at once (the engine then runs just the
+    other request, which a single aborted choice would not leave), and no other request's."""
+    prompt = get_tokenizer().encode("Once upon a time")
+
+    async def main() -> None:
+        async with engine_loop(model) as loop:
+            leaving = loop.submit("leaving", [prompt] * 3, [greedy(100)] * 3, 0.0)
+            staying = loop.submit("staying", [prompt], [greedy(10)], 0.0)
+            await leaving.ready()
+            assert leaving.close() == 3
+            assert (await asyncio.wait_for(loop.wait_until(lambda s: s.running + s.waiting == 1), 10)).running == 1
+            assert [len(t) for t in await drain(staying, 1)] == [10]
+            assert (await loop.wait_until(idle)).kv_blocks_used == 0
+
+    run(main())
+
+
+def test_shutdown_refuses_only_requests_whose_every_choice_is_queued(model: GPT) -> None:
+    """One sequence runs at a time: a request whose first choice runs while its second waits has
+    started, so it runs on through a shutdown; the request queued behind it is refused."""
+    prompt = get_tokenizer().encode("Once upon a time")
+
+    async def main() -> None:
+        async with engine_loop(model, max_num_seqs=1) as loop:
+            started = loop.submit("started", [prompt, prompt], [greedy(20), greedy(20)], 0.0)
+            queued = loop.submit("queued", [prompt], [greedy(3)], 0.0)
+            await started.ready()
+            loop.refuse_queued()
+            with pytest.raises(ShuttingDown):
+                await queued.ready()
+            queued.close()
+            first, second = await drain(started, 2)
+            assert first == second and len(first) == 20
 
     run(main())

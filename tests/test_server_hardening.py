@@ -67,8 +67,8 @@ def test_a_request_the_failing_step_had_finished_still_gets_its_error(model: GPT
             scheduler = state(client).engine.engine.scheduler
             postprocess, failed = scheduler.postprocess, []
 
-            def failing(output, now):
-                postprocess(output, now)  # finishes the one-token request and frees its blocks
+            def failing(output):
+                postprocess(output)  # finishes the one-token request and frees its blocks
                 if not failed and any(c.seq.is_finished for c in output.chunks):
                     failed.append(True)
                     raise RuntimeError("lost the outputs")

@@ -46,7 +46,6 @@ def test_enforce_eager_is_a_switch_with_an_automatic_default() -> None:
 @pytest.mark.parametrize("argv, env, needle", [
     (["--port", "eighty"], {}, "--port: invalid int value: 'eighty'"),
     ([], {"MINILLM_PORT": "eighty"}, "--port: invalid int value: 'eighty'"),
-    (["--kv-cache-memory", "lots"], {}, "cannot read 'lots' as a memory size"),
     (["--log-level", "loud"], {}, "invalid choice: 'loud'"),
     (["--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
 ])
@@ -58,9 +57,10 @@ def test_a_bad_flag_is_one_line(argv, env, needle, capsys) -> None:
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--block-size", "0"], "block_size must be >= 1"),
+    (["--block-size", "0"], "--block-size: block_size must be >= 1"),
+    (["--kv-cache-memory", "lots"], "--kv-cache-memory: cannot read 'lots' as a memory size"),
     (["--port", "70000"], "port must be in 0..65535"),
-    (["--dtype", "int3"], "dtype must be one of"),
+    (["--dtype", "int3"], "--dtype: dtype must be one of"),
     (["--max-queue", "0"], "max_queue must be >= 1"),
     (["--api-key", ""], "api_key must not be empty"),
 ])
@@ -340,6 +340,9 @@ def test_prompts_are_counted_before_any_is_tokenized() -> None:
     assert (err.value.status, err.value.param) == (400, "prompt")
     with pytest.raises(OpenAIError) as err:
         parse_completion({"prompt": ["a", "b"], "n": MAX_CHOICES}, NoEncoding(), CARD)
+    assert (err.value.status, err.value.param) == (400, "n")
+    with pytest.raises(OpenAIError) as err:  # chat's n too, checked once, before its one encoding
+        parse_chat({"messages": [{"role": "user", "content": "hi"}], "n": MAX_CHOICES + 1}, NoEncoding(), CARD)
     assert (err.value.status, err.value.param) == (400, "n")
 
 

@@ -12,6 +12,7 @@ from test_server_live import live_server, small_engine
 from test_structured import SCHEMAS
 
 from minillm.data.tokenizer import get_tokenizer
+from minillm.decoding.sampling import SamplingParams
 
 CHAT = [{"role": "user", "content": "Tell me about your pet."}]
 
@@ -37,6 +38,32 @@ def test_chat_answers_follow_the_schema_whole_and_streamed(client, name: str) ->
                                             response_format=schema_format(name), stream=True)
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert text == whole.choices[0].message.content  # choice 0 draws with the same seed
+
+
+def test_a_request_with_n_choices_is_checked_once_and_its_schema_compiled_once(client, monkeypatch) -> None:
+    """The server checks the schema on arrival and the engine gives each of the three choices
+    its own matcher, from one compilation; ``SamplingParams`` are checked once, each choice
+    taking only its seed. Counted where llguidance compiles and where the checks run."""
+    import llguidance
+
+    real, compiled, checked = llguidance.LLMatcher, [], []
+
+    class Counting:
+        grammar_from_json_schema = staticmethod(real.grammar_from_json_schema)
+
+        def __new__(cls, *args, **kwargs):
+            compiled.append(args[1])
+            return real(*args, **kwargs)
+
+    check = SamplingParams.__post_init__
+    monkeypatch.setattr(llguidance, "LLMatcher", Counting)
+    monkeypatch.setattr(SamplingParams, "__post_init__", lambda self: (checked.append(self), check(self))[1])
+    fmt = {"type": "json_schema", "json_schema": {"name": "once", "schema": {**SCHEMAS["nested"], "title": "n=3"}}}
+    whole = client.chat.completions.create(model="minillm", messages=CHAT, n=3, temperature=1.0, seed=11,
+                                           max_tokens=80, response_format=fmt)
+    assert len(compiled) == 1 and len(checked) == 1
+    for choice in whole.choices:
+        jsonschema.validate(json.loads(choice.message.content), SCHEMAS["nested"])
 
 
 def test_completions_json_object_is_an_object(client) -> None:

@@ -19,7 +19,7 @@ from minillm.engine.llm import LLM
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.build import build_speculator
-from minillm.speedups.speculative.speculator import Speculator
+from minillm.speedups.speculative.speculator import SpeculativeEngine, Speculator
 from minillm.model.gpt import GPT
 from minillm.decoding.sampling import SamplingParams
 from minillm.data.tokenizer import get_tokenizer
@@ -104,12 +104,14 @@ def test_server_flags(tmp_path, target) -> None:
         parse_args(["--speculative-draft", "ngram", "--num-speculative-tokens", "0"], environ={})
     with pytest.raises(UsageError, match="--speculative-draft: no checkpoint"):
         build(parse_args(["--checkpoint", path, "--speculative-draft", str(tmp_path / "missing")], environ={}))
-    assert build(parse_args(["--checkpoint", path], environ={})).speculator is None
+    assert not isinstance(build(parse_args(["--checkpoint", path], environ={})), SpeculativeEngine)
 
 
 def test_the_server_streams_the_same_greedy_text_with_speculation(target, draft) -> None:
     async def complete(speculator: Speculator | None) -> str:
-        engine = LLMEngine(target, EngineConfig(num_blocks=64, block_size=8), get_tokenizer(), speculator)
+        config = EngineConfig(num_blocks=64, block_size=8)
+        engine = (LLMEngine(target, config, get_tokenizer()) if speculator is None
+                  else SpeculativeEngine(target, config, get_tokenizer(), speculator=speculator))
         async with TestClient(TestServer(create_app(engine, ServerConfig()))) as client:
             body = {"prompt": "Once upon a time", "max_tokens": 30, "temperature": 0, "ignore_eos": True}
             response = await client.post("/v1/completions", json=body)
@@ -124,13 +126,14 @@ def test_the_server_streams_the_same_greedy_text_with_speculation(target, draft)
 
 
 def test_speculation_runs_through_the_one_step_path_and_only_the_scheduler_allocates(target, monkeypatch) -> None:
-    """The scheduler reserves the draft's lookahead slots; the runner drafts and verifies in
-    ``execute`` and returns every emitted token of the chunk; ``step`` is the same code with or
-    without a speculator, and the tokens equal the target's alone."""
+    """The scheduler reserves the draft's lookahead slots; the speculative runner drafts and
+    verifies in ``execute`` and returns every emitted token of the chunk; ``step`` is the plain
+    engine's, and the tokens equal the target's alone."""
     from minillm.engine.block_allocator import BlockAllocator
 
     plain = LLM(target, num_blocks=64, block_size=8).generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].token_ids
-    engine = LLMEngine(target, EngineConfig(num_blocks=64, block_size=8), speculator=Speculator.with_ngram(4))
+    engine = SpeculativeEngine(target, EngineConfig(num_blocks=64, block_size=8), speculator=Speculator.with_ngram(4))
+    assert type(engine).step is LLMEngine.step
     callers = []
     real_grow = BlockAllocator.grow
 
@@ -161,14 +164,14 @@ def test_lookahead_slots_never_preempt_and_stop_at_max_tokens() -> None:
 
     def decode_after_prefill(prompt_len: int, max_tokens: int, num_blocks: int, held_elsewhere: int = 0):
         scheduler = Scheduler(BlockAllocator(num_blocks, block_size=4), max_model_len=64, num_lookahead_slots=4)
-        other = Sequence.from_prompt("other", [0] * (4 * held_elsewhere), SamplingParams(), 64)
+        other = Sequence("other", [0] * (4 * held_elsewhere), SamplingParams(), 64)
         scheduler.allocator.admit(other, 4 * held_elsewhere, [])
-        seq = Sequence.from_prompt("a", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), 64)
+        seq = Sequence("a", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), 64)
         scheduler.add(seq)
         prefill = scheduler.schedule(0.0)
         assert prefill.chunks[0].num_lookahead == 0  # a prefill does not speculate
         seq.append_token(9, 0.0)
-        scheduler.postprocess(prefill, 0.0)
+        scheduler.postprocess(prefill)
         return scheduler.schedule(0.0), seq
 
     out, seq = decode_after_prefill(3, max_tokens=3, num_blocks=8)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from minillm.engine import LLM
 from minillm.decoding.sampling import SamplingParams
-from minillm.decoding.structured import GrammarCompiler, mask_logits_, token_bias
+from minillm.decoding.structured import GrammarCompiler, grammar_compiler, mask_logits_, token_bias
 from minillm.data.tokenizer import get_tokenizer
 from models import tiny_model
 
@@ -140,11 +140,44 @@ def test_the_mask_wins_over_a_bias_that_kills_every_allowed_token() -> None:
     assert logits[2].tolist() == [1.0, inf, 3.0, inf]
 
 
-def test_a_schema_held_request_decodes_token_by_token_and_bad_schemas_are_refused() -> None:
+def test_a_schema_held_request_decodes_token_by_token_and_bad_schemas_are_refused(compiler: GrammarCompiler) -> None:
     """A schema's mask depends on every token before it, so no speculative draft runs ahead
-    of it; a schema the matcher cannot use is a ValueError on arrival, naming the field."""
+    of it; a schema the matcher cannot use is a ValueError where it is compiled, naming the
+    field: on arrival at the engine, which then holds nothing of the request."""
     assert SamplingParams(json_schema={"type": "object"}).token_by_token
     assert not SamplingParams().token_by_token
-    for bad in [{"type": "integr"}, "not an object", {"minimum": float("nan")}]:
-        with pytest.raises(ValueError, match="json_schema"):
-            SamplingParams(json_schema=bad)
+    for bad in [{"type": "integr"}, "not an object", {"minimum": float("nan")}, {"type": "object", "required": 3}]:
+        with pytest.raises(ValueError, match="^json_schema cannot be enforced"):
+            compiler.check(bad)
+    with LLM(tiny_model()) as llm:
+        with pytest.raises(ValueError, match="^json_schema cannot be enforced: Invalid type: integr"):
+            llm.engine.add_request("bad", [1, 2], SamplingParams(json_schema={"type": "integr"}))
+        assert not llm.engine.has_unfinished
+
+
+def test_a_schema_compiles_once_and_each_choice_walks_its_own_copy(monkeypatch) -> None:
+    """The engine's compiler is the process's one for its tokenizer: a schema checked first
+    (as the server does) and then given to three choices is compiled once, counted where
+    llguidance compiles it, yet each choice has its own matcher and its own valid answer."""
+    import llguidance
+
+    real, compiled = llguidance.LLMatcher, []
+
+    class Counting:
+        grammar_from_json_schema = staticmethod(real.grammar_from_json_schema)
+
+        def __new__(cls, *args, **kwargs):
+            compiled.append(args[1])
+            return real(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", Counting)
+    schema = {**SCHEMAS["record"], "title": "compiled once"}  # a text no other test compiled
+    with LLM(tiny_model(context_length=256)) as llm:
+        assert llm.engine.grammars is grammar_compiler(llm.engine.tokenizer)
+        llm.engine.grammars.check(schema)
+        params = SamplingParams(max_tokens=120, temperature=1.0, seed=7, json_schema=schema)
+        outs = llm.generate(["Once upon a time"] * 3, [params.with_seed(7 + j) for j in range(3)], use_tqdm=False)
+    assert len(compiled) == 1 and len({o.text for o in outs}) == 3  # one compilation, three walks
+    for out in outs:
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), SCHEMAS["record"])

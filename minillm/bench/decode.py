@@ -29,7 +29,7 @@ import torch
 
 from minillm.bench import llamacpp
 from minillm.engine.config import EngineConfig
-from minillm.engine.llm_engine import LLMEngine
+from minillm.engine.build import build_engine
 from minillm.machine.hardware import measure_bandwidth, measure_matmul_flops
 from minillm.model.gpt import GPT, matmul_parameters
 from minillm.decoding.sampling import SamplingParams
@@ -55,7 +55,7 @@ def engine_rate(model: GPT, batch: int, new_tokens: int, **options) -> tuple[flo
     """Our engine's decode tokens/s at ``batch`` (and its start-up seconds: weight packing and
     compiling or recording the bucket). Every prompt is prefilled before the clock starts."""
     start = time.perf_counter()
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=batch, kv_cache_memory="1GiB", **options))
+    engine = build_engine(model, EngineConfig(max_num_seqs=batch, kv_cache_memory="1GiB", **options))
     if engine.graphs is not None:
         engine.graphs.prepare([engine.graphs.bucket(batch)])
     startup = time.perf_counter() - start

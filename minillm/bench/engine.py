@@ -169,10 +169,10 @@ def run_hf(model: GPT, w: Workload, batch_size: int) -> Result | None:
 def batch1_decode(model: GPT, context: int = 128, repeats: int = 20, bandwidth: float | None = None) -> dict:
     """One sequence's decode step against its memory roofline: every weight is read once per
     step, so the step cannot be faster than ``weight bytes / bandwidth``."""
-    from minillm.engine.llm_engine import LLMEngine
+    from minillm.engine.build import build_engine
 
     context = min(context, model.cfg.context_length - repeats - 4)
-    engine = LLMEngine(model)
+    engine = build_engine(model)
     params = SamplingParams(max_tokens=repeats + 4, temperature=0, ignore_eos=True)
     engine.add_request("b1", list(range(1, context + 1)), params)
     engine.step()  # prefill

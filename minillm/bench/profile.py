@@ -30,6 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 from minillm.bench.decode import ENGINES, prompts
 from minillm.engine import model_runner
 from minillm.engine.config import EngineConfig
+from minillm.engine.build import build_engine
 from minillm.engine.llm_engine import LLMEngine
 from minillm.model.gpt import GPT
 from minillm.decoding.sampling import SamplingParams
@@ -105,7 +106,7 @@ def _instrument(engine: LLMEngine, timer: PhaseTimer) -> Callable[[], None]:
 def profile_decode(model: GPT, batch: int, method: str, steps: int = 10) -> dict:
     """Profile ``steps`` decode steps of ``batch`` sequences run the way ``method`` (an
     :data:`ENGINES` name) says: step time, phases, operators."""
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=batch, kv_cache_memory="512MiB", **ENGINES[method]))
+    engine = build_engine(model, EngineConfig(max_num_seqs=batch, kv_cache_memory="512MiB", **ENGINES[method]))
     params = SamplingParams(max_tokens=3 * steps + 8, temperature=0, ignore_eos=True)
     for i, prompt in enumerate(prompts(batch, model.cfg.vocab_size)):
         engine.add_request(f"p{i}", prompt, params)

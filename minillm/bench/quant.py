@@ -34,7 +34,7 @@ import torch
 
 from minillm.model.checkpoint import load_model, load_state
 from minillm.data.corpus import Corpus, prepare_corpus
-from minillm.engine import LLM, LLMEngine, SamplingParams
+from minillm.engine import LLM, LLMEngine, SamplingParams, build_engine
 from minillm.engine.config import EngineConfig
 from minillm.machine.hardware import DTYPES, device_name, measure_bandwidth, median_seconds
 from minillm.model.gpt import GPT
@@ -131,8 +131,8 @@ def _engine(model: GPT, sequences: int, tokens: int) -> LLMEngine:
     """An engine with just enough KV blocks, and no prefix cache (repeated prompts must recompute)."""
     block = 16
     blocks = sequences * (-(-tokens // block) + 1)
-    return LLMEngine(model, EngineConfig(num_blocks=blocks, block_size=block, enable_prefix_caching=False,
-                                         max_num_seqs=max(sequences, 1)))
+    return build_engine(model, EngineConfig(num_blocks=blocks, block_size=block, enable_prefix_caching=False,
+                                            max_num_seqs=max(sequences, 1)))
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

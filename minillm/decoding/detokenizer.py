@@ -26,10 +26,11 @@ class IncrementalDetokenizer:
     """One request's generated text, built token by token.
 
     ``add(token_id)`` returns the text that became safe to show; ``flush()`` at the end
-    returns whatever was held. Their concatenation is ``text``: the same as
-    ``tokenizer.decode(ids)`` when no stop string matched, and that text cut just before the
-    first stop string otherwise. The end-of-text token is a control token, not text, and
-    adds nothing.
+    returns whatever was held. Their concatenation is the same as ``tokenizer.decode(ids)``
+    when no stop string matched, and that text cut just before the first stop string
+    otherwise. It is not kept here: whoever reads the pieces keeps what it needs (a stream
+    sends them on and keeps nothing). The end-of-text token is a control token, not text,
+    and adds nothing.
 
     When a stop string completes, ``stopped`` becomes true and ``stop_reason`` holds it;
     the request is finished, so a further ``add`` raises ``RuntimeError`` (as it does after
@@ -54,7 +55,6 @@ class IncrementalDetokenizer:
         # one-shot ``decode(errors="replace")`` of the whole stream would.
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._held = ""
-        self._emitted: list[str] = []
         self._finished = False
         self.stop_reason: str | None = None
 
@@ -62,11 +62,6 @@ class IncrementalDetokenizer:
     def stopped(self) -> bool:
         """True once a stop string has appeared: the request's text is complete."""
         return self.stop_reason is not None
-
-    @property
-    def text(self) -> str:
-        """All the text emitted so far (held text is not included until released)."""
-        return "".join(self._emitted)
 
     def add(self, token_id: int) -> str:
         """Feed one generated token; return the new text that is now safe to show."""
@@ -99,8 +94,6 @@ class IncrementalDetokenizer:
         keep = 0 if final else held
         out, self._held = window[: len(window) - keep], window[len(window) - keep :]
         self._finished = final
-        if out:
-            self._emitted.append(out)
         return out
 
     def _first_stop(self, window: str) -> tuple[int, str] | None:

@@ -132,18 +132,21 @@ def generate_naive(
 
     Every step runs the model over the whole sequence so far and keeps only the last
     position's logits. The window slides when the sequence outgrows the model's context.
-    Generation stops after ``stop_token``.
+    Generation stops after ``stop_token``, by the engine's own stop rule
+    (:meth:`SamplingParams.finish_reason`).
     """
     check_prompt(model, prompt, max_new_tokens, slide=True)
+    if max_new_tokens == 0:
+        return []
+    rule = SamplingParams(max_tokens=max_new_tokens)
     ids, new = list(prompt), []
-    for _ in range(max_new_tokens):
+    while True:
         window = torch.tensor([ids[-model.cfg.context_length :]], device=model.device)
         token = choose_token(last_logits(model, window)[0], temperature, top_k, generator)
         ids.append(token)
         new.append(token)
-        if token == stop_token:
-            break
-    return new
+        if rule.finish_reason(token, len(new), stop_token):
+            return new
 
 
 @torch.no_grad()
@@ -165,6 +168,7 @@ def generate_kv_cache(
     check_prompt(model, prompt, max_new_tokens, slide=False)
     if max_new_tokens == 0:
         return []
+    rule = SamplingParams(max_tokens=max_new_tokens)
     device = model.device
     cache = ContiguousKVCache(model, 1, len(prompt) + max_new_tokens)
     logits = last_logits(model, torch.tensor([prompt], device=device), cache=cache)[0]
@@ -172,7 +176,7 @@ def generate_kv_cache(
     while True:
         token = choose_token(logits, temperature, top_k, generator)
         new.append(token)
-        if token == stop_token or len(new) == max_new_tokens:
+        if rule.finish_reason(token, len(new), stop_token):
             return new
         position = torch.tensor([[cache.length]], device=device)
         logits = last_logits(model, torch.tensor([[token]], device=device), position, cache)[0]
@@ -214,12 +218,13 @@ def generate_static_batch(
     logits = last_logits(model, tokens, positions, cache)
     outputs: list[list[int]] = [[] for _ in prompts]
     done = [limit == 0 for limit in limits]
+    rules = [SamplingParams(max_tokens=max(limit, 1)) for limit in limits]  # (a row of limit 0 is done)
     for step in range(steps):
         next_tokens = logits.argmax(dim=-1)
         for i, token in enumerate(next_tokens.tolist()):
             if not done[i]:
                 outputs[i].append(token)
-                done[i] = token == stop_token or len(outputs[i]) == limits[i]
+                done[i] = rules[i].finish_reason(token, len(outputs[i]), stop_token) is not None
         if all(done) or step == steps - 1:
             break
         positions = (cache.length - pad_t)[:, None]

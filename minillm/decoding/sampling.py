@@ -13,14 +13,13 @@ whatever else shares its batch: batching is the server's business, never the use
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import torch
-
-from minillm.decoding.structured import schema_error
-
 
 # A seed seeds a torch.Generator, which takes a 64-bit integer; like vLLM, take the signed range
 # (torch would alias -1 and 2**64 - 1, and past 64 bits it raises inside the engine step).
@@ -32,6 +31,15 @@ GREEDY_TEMPERATURE = 1e-5
 # OpenAI's ranges: penalties in -2..2, a logit bias in -100..100 (-100 bans a token, 100 all but
 # forces it), and up to 20 alternatives per position (the chat endpoint's top_logprobs).
 MAX_PENALTY, MAX_LOGIT_BIAS, MAX_LOGPROBS = 2.0, 100.0, 20
+
+
+class FinishReason(str, Enum):
+    """Why generation ended, with the strings OpenAI's API uses for ``finish_reason``."""
+
+    STOP = "stop"  # the end-of-text token, a stop token id, or a stop string
+    LENGTH = "length"  # max_tokens generated, or the model's context is full
+    ABORT = "abort"  # the client went away or cancelled
+
 
 @dataclass
 class SamplingParams:
@@ -68,7 +76,10 @@ class SamplingParams:
     What shape the text must take (:mod:`minillm.decoding.structured`):
 
     - ``json_schema``: a JSON Schema the output must be an instance of (``{"type": "object"}``
-      for any JSON object); each step masks out the tokens that could not lead to one.
+      for any JSON object); each step masks out the tokens that could not lead to one. Only its
+      type is checked here: the schema is checked where it is compiled, once per request
+      (:class:`~minillm.decoding.structured.GrammarCompiler`), so the naive loop of chapter 5
+      never loads the grammar machinery.
     """
 
     max_tokens: int = 16
@@ -107,8 +118,6 @@ class SamplingParams:
             (not all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}"),
             (not all(_is_int(t) and t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}"),
             (not isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}"),
-            (self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
-             f"seed must be an integer in {SEED_MIN}..{SEED_MAX}, got {_brief(self.seed)}"),
             *((not _is_finite(v) or abs(v) > MAX_PENALTY, f"{name} must be in -{MAX_PENALTY:g}..{MAX_PENALTY:g}, got {_brief(v)}")
               for name, v in (("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty))),
             (not _is_finite(self.repetition_penalty) or self.repetition_penalty <= 0,
@@ -120,14 +129,23 @@ class SamplingParams:
              f"min_tokens must be an integer in 0..max_tokens ({self.max_tokens!r}), got {_brief(self.min_tokens)}"),
             *((v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS), f"{name} must be an integer in 0..{MAX_LOGPROBS}, got {_brief(v)}")
               for name, v in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs))),
+            (self.json_schema is not None and not isinstance(self.json_schema, dict),
+             f"json_schema must be a JSON Schema object, got {_brief(self.json_schema)}"),
         ]
         for bad, message in problems:
             if bad:
                 raise ValueError(message)
-        if self.json_schema is not None and (problem := schema_error(self.json_schema)):
-            raise ValueError(f"json_schema is not usable: {problem}")
+        _check_seed(self.seed)
         self.temperature = float(self.temperature)
         self.logit_bias = {t: float(b) for t, b in self.logit_bias.items() if b != 0}
+
+    def with_seed(self, seed: int) -> SamplingParams:
+        """These settings drawing from ``seed``: one of a request's ``n`` choices. Only the seed
+        is checked; ``dataclasses.replace`` would run every check again, once per choice."""
+        _check_seed(seed)
+        choice = copy.copy(self)
+        choice.seed = seed
+        return choice
 
     @property
     def greedy(self) -> bool:
@@ -154,6 +172,30 @@ class SamplingParams:
         decodes one token per step. So does a request held to a schema: its mask depends on
         every token before it."""
         return self.adjusts or self.logprobs is not None or self.json_schema is not None
+
+    def stops_on(self, token: int, eos_token_id: int | None = None) -> bool:
+        """True if ``token`` ends the request by being what it is: the end-of-text token
+        (unless ``ignore_eos``) or one of ``stop_token_ids``. Such a token is not text."""
+        return (token == eos_token_id and not self.ignore_eos) or token in self.stop_token_ids
+
+    def finish_reason(self, token: int, num_generated: int, eos_token_id: int | None = None,
+                      context_full: bool = False) -> FinishReason | None:
+        """The stop rule of every loop that generates, from chapter 5's to the engine's: why
+        ``token``, the ``num_generated``-th new token, ends the request, or None. A stop wins
+        over a length limit when one token is both (an end-of-text token that is also the last
+        allowed one reports ``"stop"``, as vLLM and OpenAI do). Stop strings and schemas end a
+        request by its text, which only the engine sees: it checks them besides."""
+        if self.stops_on(token, eos_token_id):
+            return FinishReason.STOP
+        if num_generated >= self.max_tokens or context_full:
+            return FinishReason.LENGTH
+        return None
+
+
+def _check_seed(seed: object) -> None:
+    """A seed's one check, for the params and for each choice's copy (:meth:`SamplingParams.with_seed`)."""
+    if seed is not None and not (_is_int(seed) and SEED_MIN <= seed <= SEED_MAX):  # type: ignore[operator]
+        raise ValueError(f"seed must be an integer in {SEED_MIN}..{SEED_MAX}, got {_brief(seed)}")
 
 
 def _is_int(x: object) -> bool:

@@ -1,17 +1,16 @@
 """Pipeline parallelism with processes: rank 0 drives and holds stage 0, workers hold the rest.
 
-As with tensor parallelism (:mod:`minillm.distributed.tensor_workers`, whose messages and worker caches
-this reuses), the scheduler, sampling and detokenizing stay on rank 0, and each worker
-learns a step's *layout* (slot mapping, block tables, masks) from a pipe. What differs is
-what flows between the ranks: no all-reduce, but one hidden state handed from stage to
-stage, point to point, and from the last stage home to rank 0 for the head.
+As with tensor parallelism, the scheduler, sampling and detokenizing stay on rank 0, and each
+worker learns a step's *layout* (slot mapping, block tables, masks) from a pipe (the shared
+bootstrap is :mod:`minillm.distributed.workers`). What differs is what flows between the
+ranks: no all-reduce, but one hidden state handed from stage to stage, point to point, and
+from the last stage home to rank 0 for the head.
 
 :meth:`PipelineParallelGPT.launch` runs stage 0 and hands its output on, then returns at once
 with a :class:`PendingForward`; :meth:`PendingForward.wait` receives the result. Between the
-two, rank 0 is free to launch the next micro-batch, which is how the engine keeps every
-stage busy (``LLMEngine`` with ``pipeline_parallel_size > 1``). Each stage works through
-micro-batches in the order they were launched, so the layouts on the pipes and the tensors
-on the links pair up without tags. ``hidden_states`` is the two together, for callers that
+two, rank 0 is free to launch the next micro-batch, which is how :class:`PipelinedEngine`
+keeps every stage busy. Each stage works through micro-batches in the order they were
+launched, so the layouts on the pipes and the tensors on the links pair up without tags. ``hidden_states`` is the two together, for callers that
 want one forward at a time.
 
 A worker exits when its pipe closes (rank 0 stopped or died); a worker that dies closes its
@@ -20,17 +19,22 @@ sockets, so its neighbours' next receive fails instead of waiting forever.
 
 from __future__ import annotations
 
-import pickle
-import signal
 import time
+from collections import deque
 from dataclasses import dataclass
+from functools import partial
 
 import torch
+import torch.distributed as dist
 
+from minillm.data.tokenizer import Tokenizer
+from minillm.engine.config import EngineConfig
+from minillm.engine.llm_engine import LLMEngine, RequestOutput, Speedups
+from minillm.engine.model_runner import LaunchedStep
 from minillm.model.config import ModelConfig
 from minillm.model.gpt import GPT, KVCache
-from minillm.distributed.tensor import check_splittable, make_group, rendezvous
-from minillm.distributed.tensor_workers import WorkerCaches, WorkerProcesses, cache_layout, set_worker_device
+from minillm.distributed.tensor import check_splittable
+from minillm.distributed.workers import Follower, ParallelModel, WorkerProcesses
 from minillm.distributed.pipeline import (
     PipelineStage,
     PointToPoint,
@@ -56,49 +60,40 @@ class StageStats:
     forwards: int
 
 
-def _worker_main(rank: int, size: int, port: int, backend: str, device: str, cfg: ModelConfig, layers: range,
-                 state: dict, impl: str, threads: int, conn) -> None:
-    """A worker stage's whole life: join the group, build the stage, then for each launched
-    forward receive the previous stage's output, run its blocks and send the result on (the
-    last stage sends it home to rank 0), until the pipe says stop or closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole process group: rank 0 decides
-    worker_device = set_worker_device(device)
-    torch.set_num_threads(threads)
-    group, _store = make_group(backend, rank, size, port)
-    link = PointToPoint(group)
-    stage = PipelineStage(cfg, layers, rank, size).to(worker_device, state["blocks.0.ln1.weight"].dtype)
-    stage.load_state_dict(state)
-    stage.set_attention(impl).eval()
-    caches = WorkerCaches(stage)
-    busy, forwards, sending = 0.0, 0, None
-    conn.send("ready")
-    with torch.inference_mode():
-        while True:
-            try:
-                kind, payload = pickle.loads(conn.recv_bytes())
-            except EOFError:  # rank 0 closed the pipe or died
-                return
-            if kind == "stop":
-                return
-            if kind == "attention":
-                stage.set_attention(payload)
-            elif kind == "stats":
-                conn.send(StageStats(rank, layers, busy, link.wait_seconds, link.sends, link.bytes_sent, forwards))
-            elif kind == "reset":
-                busy, forwards = 0.0, 0
-                link.reset()
-            else:
-                shape, layout = payload
-                x = link.recv((*shape, cfg.d_model), stage.dtype, worker_device, rank - 1)
-                start = time.perf_counter()
-                out = stage.run(x, None, caches.build(layout)).contiguous()
-                if out.device.type == "cuda":
-                    torch.cuda.synchronize(out.device)
-                busy += time.perf_counter() - start
-                forwards += 1
-                if sending is not None:
-                    sending.wait()  # the previous output has left: its buffer may go
-                sending = link.send(out, (rank + 1) % size)
+class StageFollower(Follower):
+    """A worker stage: for each launched forward, receive the previous stage's output, run its
+    blocks and send the result on (the last stage sends it home to rank 0), counting its time."""
+
+    def __init__(self, cfg: ModelConfig, layers: range, state: dict, impl: str, rank: int, size: int, group: dist.ProcessGroup,
+                 device: torch.device) -> None:
+        stage = PipelineStage(cfg, layers, rank, size).to(device, state["blocks.0.ln1.weight"].dtype)
+        stage.load_state_dict(state)
+        super().__init__(stage.set_attention(impl).eval())
+        self.link, self.device = PointToPoint(group), device
+        self.busy, self.forwards, self.sending = 0.0, 0, None
+
+    def forward(self, payload: tuple) -> None:
+        shape, layout = payload
+        stage, link = self.module, self.link
+        x = link.recv((*shape, stage.full_cfg.d_model), stage.dtype, self.device, stage.rank - 1)
+        start = time.perf_counter()
+        out = stage.run(x, None, self.caches.build(layout)).contiguous()
+        if out.device.type == "cuda":
+            torch.cuda.synchronize(out.device)
+        self.busy += time.perf_counter() - start
+        self.forwards += 1
+        if self.sending is not None:
+            self.sending.wait()  # the previous output has left: its buffer may go
+        self.sending = link.send(out, (stage.rank + 1) % stage.size)
+
+    def stats(self, _: None) -> StageStats:
+        link = self.link
+        return StageStats(self.module.rank, self.module.layers, self.busy, link.wait_seconds, link.sends,
+                          link.bytes_sent, self.forwards)
+
+    def reset(self, _: None) -> None:
+        self.busy, self.forwards = 0.0, 0
+        self.link.reset()
 
 
 @dataclass
@@ -114,84 +109,43 @@ class PendingForward:
         return self.owner._receive(self)
 
 
-class PipelineParallelGPT:
+class PipelineParallelGPT(ParallelModel):
     """A ``GPT`` whose blocks are split into ``size`` stages (:func:`stage_layers`), stage 0
-    in this process and one worker process per other stage; used from rank 0 as a ``GPT``.
+    (``local``) in this process and one worker process per other stage, with ``threads`` CPU
+    threads each (by default this process's share); used from rank 0 as a ``GPT`` (see
+    :class:`~minillm.distributed.workers.ParallelModel`).
 
     ``cfg`` is stage 0's shape (its own layers; the engine's pool on rank 0 holds only those),
     ``largest_stage_cfg`` the shape with the most layers, from which every stage's number of
     KV blocks is sized (block tables are shared, so every pool has the same number of
     blocks). :meth:`launch` / :meth:`PendingForward.wait` keep several forwards in flight;
-    :meth:`stage_stats` reads every stage's counters. ``close()`` (or ``with``) stops the
-    workers, as does garbage collection or this process's exit.
+    :meth:`stage_stats` reads every stage's counters.
     """
 
     def __init__(self, model: GPT, size: int, *, threads: int | None = None) -> None:
         check_pipeline_parallel_size(model.cfg, size)
         check_splittable(model, "pipeline_parallel_size (--pipeline-parallel-size)")
-        device = model.device
-        if device.type == "cuda" and torch.cuda.device_count() < size:
-            raise ValueError(
-                f"pipeline_parallel_size (--pipeline-parallel-size) {size} needs {size} GPUs; "
-                f"this machine has {torch.cuda.device_count()}"
-            )
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        threads = threads or max(1, torch.get_num_threads() // size)
         self.layers = stage_layers(model.cfg, size)
         self.size, self.full_cfg = size, model.cfg
         self.largest_stage_cfg = stage_config(model.cfg, max(self.layers, key=len))
-        self._store = rendezvous(size) if size > 1 else None
-        self.workers = WorkerProcesses("pipeline stage")
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         impl = model.blocks[0].attn.impl
+        builders = [partial(StageFollower, model.cfg, self.layers[rank],
+                            stage_state_dict(state, self.layers[rank], rank, size), impl) for rank in range(1, size)]
+        self.workers = WorkerProcesses("pipeline stage", "pipeline_parallel_size (--pipeline-parallel-size)",
+                                       "minillm-pp-stage", model.device, builders, threads)
         try:
-            for rank in range(1, size):
-                stage_state = stage_state_dict(state, self.layers[rank], rank, size)
-                self._spawn(rank, backend, model.cfg, stage_state, impl, threads)
-            self.link = None
-            if size > 1:
-                group, _ = make_group(backend, 0, size, self._store)
-                self.link = PointToPoint(group)
-            self.stage = build_stage(model, self.layers, 0)
-            self.workers.wait_ready()
+            self.link = None if size == 1 else PointToPoint(self.workers.group)
+            self.local = build_stage(model, self.layers, 0)
         except BaseException:
             self.close()
             raise
-        self._cache_key, self._last_cache = 0, None
         self._in_flight: list[PendingForward] = []
         self.busy_seconds, self.forwards = 0.0, 0
-
-    def _spawn(self, rank: int, backend: str, cfg: ModelConfig, state: dict, impl: str, threads: int) -> None:
-        device = f"cuda:{rank}" if backend == "nccl" else "cpu"
-        self.workers.spawn(_worker_main, (rank, self.size, self._store.port, backend, device, cfg, self.layers[rank],
-                                          state, impl, threads), name=f"minillm-pp-stage{rank}")
-
-    # -- what the engine sees
 
     @property
     def num_stages(self) -> int:
         return self.size
-
-    @property
-    def cfg(self) -> ModelConfig:
-        return self.stage.cfg
-
-    @property
-    def device(self) -> torch.device:
-        return self.stage.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.stage.dtype
-
-    def eval(self) -> PipelineParallelGPT:
-        """Stages are always in eval mode; here so the engine can call it as on a ``GPT``."""
-        return self
-
-    def set_attention(self, impl: str) -> PipelineParallelGPT:
-        self.stage.set_attention(impl)
-        self.workers.send(("attention", impl))
-        return self
 
     def launch(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                cache: KVCache | None = None) -> PendingForward:
@@ -203,16 +157,15 @@ class PipelineParallelGPT:
             raise ValueError(f"tokens must be [batch, time], got shape {tuple(tokens.shape)}")
         if positions is None and tokens.shape[1] > self.full_cfg.context_length:
             raise ValueError(f"{tokens.shape[1]} tokens are beyond the model's context of {self.full_cfg.context_length}")
-        if cache is not None and cache is not self._last_cache:
-            self._cache_key, self._last_cache = self._cache_key + 1, cache
+        layout = self.layout(cache)
         shape = tuple(tokens.shape)
         start = time.perf_counter()
-        out = self.stage.run(tokens, positions, cache).contiguous()
+        out = self.local.run(tokens, positions, cache).contiguous()
         if out.device.type == "cuda":
             torch.cuda.synchronize(out.device)
         self.busy_seconds += time.perf_counter() - start
         self.forwards += 1
-        self.workers.send(("forward", (shape, cache_layout(cache, self._cache_key))))
+        self.workers.send(("forward", (shape, layout)))
         pending = PendingForward(self, shape, out, None if self.size == 1 else self.link.send(out, 1))
         self._in_flight.append(pending)
         return pending
@@ -235,9 +188,6 @@ class PipelineParallelGPT:
                       cache: KVCache | None = None) -> torch.Tensor:
         """The final normalised hidden states, one forward through every stage."""
         return self.launch(tokens, positions, cache).wait()
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.stage.logits(hidden)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                  cache: KVCache | None = None) -> torch.Tensor:
@@ -262,14 +212,41 @@ class PipelineParallelGPT:
             self.link.reset()
         self.workers.send(("reset", None))
 
-    # -- lifetime
 
-    def close(self) -> None:
-        """Stop the workers and wait for them to exit (idempotent)."""
-        self.workers.close()
+class PipelinedEngine(LLMEngine):
+    """The engine over a :class:`PipelineParallelGPT` with ``config.micro_batches`` batches in
+    flight, so that while stage 1 works on one micro-batch, rank 0 computes stage 0 of the
+    next. ``build_engine`` makes it when ``pipeline_parallel_size > 1`` asks for more than one
+    micro-batch; the step loop, scheduler and runner are the plain engine's, only driven
+    several steps deep.
 
-    def __enter__(self) -> PipelineParallelGPT:
-        return self
+    Each :meth:`step` tops the pipeline up, then finishes the oldest micro-batch. A new
+    micro-batch is scheduled from the sequences not already in flight, with an even share of
+    the unfinished requests, so the micro-batches come out of similar size. Sequences in
+    flight are never preempted (their keys are still being written): the scheduler takes its
+    victims from the others, or waits."""
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __init__(self, model: PipelineParallelGPT, config: EngineConfig, tokenizer: Tokenizer | None = None,
+                 speedups: Speedups | None = None) -> None:
+        super().__init__(model, config, tokenizer, speedups)
+        self._in_flight: deque[LaunchedStep] = deque()  # oldest first
+
+    def step(self) -> list[RequestOutput]:
+        depth = self.config.micro_batches
+        while len(self._in_flight) < depth:
+            busy = frozenset(c.seq for launched in self._in_flight for c in launched.output.chunks)
+            share = -(-(self.scheduler.num_running + self.scheduler.num_waiting) // depth)
+            output = self.scheduler.schedule(time.monotonic(), busy=busy, max_seqs=max(1, share))
+            if output.is_empty:
+                break
+            self.last_step = output
+            self._in_flight.append(self.runner.launch(output))
+        if not self._in_flight:
+            return []
+        launched = self._in_flight.popleft()
+        return self._finish_step(launched.output, self.runner.collect(launched))
+
+    @property
+    def has_unfinished(self) -> bool:
+        """Requests waiting or running, or a micro-batch still in flight (even an aborted one's)."""
+        return super().has_unfinished or bool(self._in_flight)

@@ -3,36 +3,33 @@
 
 Each later chapter plugs in here rather than into the engine: load the weights (a ``GPT`` or
 a checkpoint path) onto the device; cast them, or quantize them (chapter 13); split them over
-processes, by heads or by layers (chapter 16); choose a drafter (chapter 14); then build the
+processes, by heads or by layers (chapter 16); choose a drafter (chapter 14); pack the
+weights, capture decode steps, pick the attention kernels (chapters 12 and 15); then build the
 :class:`LLMEngine`. A failure that one option caused raises :class:`EngineOptionError` naming
 that option, so the server can name its flag.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from minillm.model.checkpoint import load_model
-from minillm.engine.config import EngineConfig
-from minillm.engine.llm_engine import LLMEngine
+from minillm.engine.config import EngineConfig, EngineOptionError
+from minillm.engine.kv_cache import AttentionKernels
+from minillm.engine.llm_engine import LLMEngine, Speedups
 from minillm.engine.memory import MemoryBudgetError
-from minillm.speedups.speculative.speculator import Speculator
+from minillm.speedups.decode_graphs import Capture, capture_mode, capture_unsupported
+from minillm.speedups.packed import pack_weights, packing_unsupported
+from minillm.speedups.speculative.speculator import SpeculativeEngine, Speculator
 from minillm.model.gpt import GPT
-from minillm.speedups.quant import cast_and_quantize
+from minillm.speedups.quant import cast_and_quantize, check_scheme
 from minillm.data.tokenizer import Tokenizer
 from minillm.machine.hardware import resolve_dtype
 
 NGRAM = "ngram"  # the speculative_draft value that asks for prompt lookup instead of a model
-
-
-class EngineOptionError(ValueError):
-    """An option that cannot be honoured; ``option`` is its keyword (``"speculative_draft"``)."""
-
-    def __init__(self, option: str, message: str) -> None:
-        super().__init__(message)
-        self.option, self.message = option, message
 
 
 def build_engine(
@@ -54,15 +51,9 @@ def build_engine(
     A ``config.memory_budget`` too small for the model is an :class:`EngineOptionError`
     naming ``memory_budget``."""
     config = config or EngineConfig()
+    check_options(config, dtype=dtype, quantize=quantize, speculative_draft=speculative_draft,
+                  num_speculative_tokens=num_speculative_tokens)
     model = load_weights(model, device)
-    for size in ("tensor_parallel_size", "pipeline_parallel_size"):
-        if getattr(config, size) == 1:
-            continue
-        if quantize is not None:
-            raise EngineOptionError("quantize", f"quantize does not combine with {size} > 1 (not supported)")
-        if speculative_draft is not None and size == "pipeline_parallel_size":
-            raise EngineOptionError("speculative_draft",
-                                    f"speculative_draft does not combine with {size} > 1 (not supported)")
     try:
         cast_and_quantize(model, resolve_dtype(dtype), quantize)
     except ValueError as err:
@@ -80,7 +71,8 @@ def build_engine(
         except ValueError as err:
             raise EngineOptionError("pipeline_parallel_size", str(err)) from None
     try:
-        return LLMEngine(model, config, tokenizer, speculator)
+        model, speedups = plug_in(model, config)
+        return make_engine(model, config, tokenizer, speculator, speedups)
     except BaseException as err:
         close = getattr(model, "close", None)  # workers already started must not outlive a failure
         if close is not None:
@@ -88,6 +80,107 @@ def build_engine(
         if isinstance(err, MemoryBudgetError):
             raise EngineOptionError("memory_budget", str(err)) from None
         raise
+
+
+def make_engine(model: GPT, config: EngineConfig, tokenizer: Tokenizer | None, speculator: Speculator | None,
+                speedups: Speedups) -> LLMEngine:
+    """The engine class that runs the plug-ins asked for: the plain :class:`LLMEngine`, or one
+    that drives its runner differently (several pipeline micro-batches in flight, or
+    speculative steps)."""
+    if config.micro_batches > 1:
+        from minillm.distributed.pipeline_workers import PipelinedEngine
+
+        return PipelinedEngine(model, config, tokenizer, speedups)
+    if speculator is not None:
+        return SpeculativeEngine(model, config, tokenizer, speedups, speculator=speculator)
+    return LLMEngine(model, config, tokenizer, speedups)
+
+
+def plug_in(model: GPT, config: EngineConfig) -> tuple[GPT, Speedups]:
+    """The model the engine runs (``model``, or its weight-packed copy: chapter 12) and the
+    plug-ins ``config`` asks for (captured decode steps, chapter 12; Triton attention, chapter
+    15), each decided here once. An option that cannot be honoured is an
+    :class:`EngineOptionError` naming it."""
+    model = model.eval()
+    kernels = attention_kernels(config.attention, model.device)
+    reason = eager_reason(model, config)
+    capture = None if reason is not None else Capture(model, config.max_num_seqs, kernels, capture_mode(model.device))
+    return packed_if_asked(model, config), Speedups(kernels, capture, reason)
+
+
+def eager_reason(model: GPT, config: EngineConfig) -> str | None:
+    """Why every step runs eagerly, or None when decode steps are captured (see
+    ``enforce_eager``): ``config`` asks for it and the model is one the captured programs,
+    whose buckets cover ``max_num_seqs`` rows, can run."""
+    if config.enforce_eager or (config.enforce_eager is None and model.device.type != "cuda"):
+        return "enforce_eager" if config.enforce_eager else "a CPU compiles only when asked (enforce_eager=False)"
+    return capture_unsupported(model)
+
+
+def packed_if_asked(model: GPT, config: EngineConfig) -> GPT:
+    """``model`` itself, or its weight-packed copy (``pack_weights``: None packs where it is
+    supported, unless ``enforce_eager`` or ``memory_budget`` is given)."""
+    if config.pack_weights is not None:
+        pack = config.pack_weights
+    else:
+        pack = not config.enforce_eager and config.memory_budget is None
+    if not pack:
+        return model
+    reason = packing_unsupported(model)
+    if reason is None:
+        return pack_weights(model)
+    if config.pack_weights:
+        raise EngineOptionError("pack_weights", f"pack_weights=True: {reason}")
+    return model
+
+
+def attention_kernels(attention: str, device: torch.device) -> AttentionKernels | None:
+    """Chapter 15's Triton kernels for ``attention="triton"`` (None for the others), checked
+    now to run on ``device`` rather than failing in the first request."""
+    if attention != "triton":
+        return None
+    from minillm.speedups.kernels.runtime import TritonUnavailable, require_triton  # sets TRITON_INTERPRET
+
+    try:
+        require_triton(device)
+    except TritonUnavailable as err:
+        raise EngineOptionError("attention", f"attention='triton' cannot run here: {err}") from None
+    from minillm.speedups.kernels.flash_triton import flash_attention
+    from minillm.speedups.kernels.paged_triton import paged_decode_attention
+
+    return AttentionKernels("triton", paged_decode_attention, partial(flash_attention, causal=True))
+
+
+def check_options(config: EngineConfig, *, dtype: str | torch.dtype | None = None, quantize: str | None = None,
+                  speculative_draft: object = None, num_speculative_tokens: int = 4) -> None:
+    """Refuse, before any weights load, what :func:`build_engine`'s own options cannot do, alone
+    or with ``config`` (which checked itself): an :class:`EngineOptionError` naming the option.
+    The server calls it on its flags, so that it and ``LLM`` accept exactly the same options.
+
+    A split slices a float model's ``nn.Linear`` weights, which quantization replaces; a
+    pipelined engine keeps micro-batches in flight and has no speculative step. Speculation
+    with tensor parallelism works as on one process (the draft runs on rank 0, the target's
+    verifying forward on every rank), and gives the same greedy tokens (tested)."""
+    try:
+        resolve_dtype(dtype)
+    except ValueError as err:
+        raise EngineOptionError("dtype", str(err)) from None
+    if quantize is not None:
+        try:
+            check_scheme(quantize)
+        except ValueError as err:
+            raise EngineOptionError("quantize", str(err)) from None
+    for size in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(config, size) > 1 and quantize is not None:
+            raise EngineOptionError("quantize", f"quantize does not combine with {size} > 1 (not supported)")
+    if speculative_draft is None:
+        return
+    if config.pipeline_parallel_size > 1:
+        raise EngineOptionError("speculative_draft",
+                                "speculative_draft does not combine with pipeline_parallel_size > 1 (not supported)")
+    if num_speculative_tokens < 1:
+        raise EngineOptionError("num_speculative_tokens",
+                                f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
 
 
 def check_device(device: str | torch.device) -> torch.device:
@@ -117,8 +210,6 @@ def build_speculator(draft: GPT | str | Path | None, target: GPT, num_speculativ
     path for a draft model (loaded onto the target's device and dtype)."""
     if draft is None:
         return None
-    if num_speculative_tokens < 1:
-        raise EngineOptionError("num_speculative_tokens", f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
     try:
         if draft == NGRAM:
             return Speculator.with_ngram(num_speculative_tokens)

@@ -1,6 +1,7 @@
 """``EngineConfig``: how big the KV pool is, how much one step may take on, and how the model
 runs (split over processes, captured, prepacked). Its checks run on construction, so a bad
-option fails before any weights are loaded or processes started."""
+option fails before any weights are loaded or processes started; each raises an
+:class:`EngineOptionError` naming the option, which the server turns into its flag's name."""
 
 from __future__ import annotations
 
@@ -14,6 +15,14 @@ from minillm.sizes import parse_memory
 
 CPU_KV_CACHE_MEMORY = "1GiB"
 GPU_MEMORY_FRACTION = 0.9
+
+
+class EngineOptionError(ValueError):
+    """An option that cannot be honoured; ``option`` is its keyword (``"speculative_draft"``)."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(message)
+        self.option, self.message = option, message
 
 
 @dataclass
@@ -47,13 +56,15 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     pipeline_micro_batches: int | None = None
     attention: str = "torch"  # "triton": chapter 15's kernels (CUDA, or the interpreter on a CPU)
-    # Decode-only steps as captured programs (minillm.speedups.decode_graphs): True keeps every
+    # Decode-only steps as captured programs (minillm.speedups.decode_graphs, wired in by build_engine;
+    # a plain LLMEngine runs every step eagerly and refuses False): True keeps every
     # step eager (the reference); False captures them wherever the model allows (not a
     # tensor-parallel or quantized one); None captures where it is cheap: a CUDA graph records
     # in well under a second, while Inductor compiles and times its matrix kernels for about a
     # minute per batch bucket on a small CPU, which a server pays once and a notebook should not.
     enforce_eager: bool | None = None
-    # Run a copy of the model whose matrices are prepacked for oneDNN (minillm.speedups.packed): True
+    # Run a copy of the model whose matrices are prepacked for oneDNN (minillm.speedups.packed, by
+    # build_engine; a plain LLMEngine runs the model it is handed and refuses True): True
     # insists, False keeps the weights as they are, None packs wherever it is supported (a
     # float32 model on a CPU) unless enforce_eager asks for the plain reference path, or
     # memory_budget for memory that stays where it was measured: oneDNN keeps a primitive, with
@@ -64,37 +75,46 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention!r}")
+            raise EngineOptionError("attention", f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                                                 f"got {self.attention!r}")
         if self.attention == "triton" and self.tensor_parallel_size > 1:
-            raise ValueError("attention='triton' runs on one device; use it with tensor_parallel_size=1")
+            raise EngineOptionError("attention", "attention='triton' runs on one device; use it with "
+                                                 "tensor_parallel_size=1")
         if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+            raise EngineOptionError("tensor_parallel_size",
+                                    f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         self._check_pipeline()
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise EngineOptionError(name, f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.kv_cache_memory is not None:
-            parse_memory(self.kv_cache_memory)
+            raise EngineOptionError("num_blocks", f"num_blocks must be >= 1, got {self.num_blocks}")
+        for name in ("kv_cache_memory", "memory_budget"):
+            try:
+                if getattr(self, name) is not None:
+                    parse_memory(getattr(self, name))
+            except ValueError as err:
+                raise EngineOptionError(name, str(err)) from None
         if self.memory_budget is not None:
-            parse_memory(self.memory_budget)
             if self.kv_cache_memory is not None or self.num_blocks is not None:
-                raise ValueError(
-                    "memory_budget sizes the KV cache from the whole process's memory, kv_cache_memory and "
-                    "num_blocks size it alone: give one of them"
+                raise EngineOptionError(
+                    "memory_budget", "memory_budget sizes the KV cache from the whole process's memory, "
+                    "kv_cache_memory and num_blocks size it alone: give one of them"
                 )
             if self.pack_weights:
-                raise ValueError("pack_weights=True does not combine with memory_budget: oneDNN's per-shape "
-                                 "primitives grow past what a warm-up measures (see EngineConfig.pack_weights)")
+                raise EngineOptionError("pack_weights", "pack_weights=True does not combine with memory_budget: "
+                                        "oneDNN's per-shape primitives grow past what a warm-up measures (see "
+                                        "EngineConfig.pack_weights)")
 
     def _check_pipeline(self) -> None:
         """What pipeline parallelism refuses: a bad size, and the options it does not combine with."""
         size = self.pipeline_parallel_size
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"pipeline_parallel_size (--pipeline-parallel-size) must be an integer >= 1, got {size!r}")
+            raise EngineOptionError("pipeline_parallel_size", "pipeline_parallel_size (--pipeline-parallel-size) "
+                                    f"must be an integer >= 1, got {size!r}")
         if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
-            raise ValueError(f"pipeline_micro_batches must be >= 1, got {self.pipeline_micro_batches}")
+            raise EngineOptionError("pipeline_micro_batches",
+                                    f"pipeline_micro_batches must be >= 1, got {self.pipeline_micro_batches}")
         if size == 1:
             return
         clashes = {
@@ -106,8 +126,9 @@ class EngineConfig:
         }
         for option, clash in clashes.items():
             if clash:
-                raise ValueError(f"pipeline_parallel_size (--pipeline-parallel-size) > 1 does not combine with {option} "
-                                 "(not supported: its stages run eagerly, one process and one device each)")
+                raise EngineOptionError("pipeline_parallel_size", "pipeline_parallel_size (--pipeline-parallel-size) "
+                                        f"> 1 does not combine with {option} (not supported: its stages run eagerly, "
+                                        "one process and one device each)")
 
     @property
     def micro_batches(self) -> int:
@@ -127,5 +148,6 @@ class EngineConfig:
             budget = parse_memory(CPU_KV_CACHE_MEMORY)
         blocks = blocks_for_memory(cfg, dtype, self.block_size, budget)
         if blocks < 1:
-            raise ValueError(f"a KV cache of {budget} bytes holds not even one block of {self.block_size} tokens")
+            raise EngineOptionError("kv_cache_memory", f"a KV cache of {budget} bytes holds not even one block of "
+                                                       f"{self.block_size} tokens")
         return blocks

@@ -9,25 +9,48 @@ prompt prefix can be shared outright.
 The pool is two tensors, ``k`` and ``v``, of shape ``[layers, num_blocks, block_size, heads,
 head_dim]``. Viewed as ``[layers, num_slots, heads, head_dim]``, slot ``b * block_size + i``
 is position ``i`` of block ``b``. One block more than the allocator hands out, the *pad
-block* (``pad_block``, the last), belongs to no sequence: the padding rows of a captured decode
-step (:mod:`minillm.speedups.decode_graphs`) write into it. :class:`PagedAttention` is what the model sees as its
-``cache`` for one step: it writes the step's new keys and values into their slots, then
-gathers each sequence's keys and values back through its block table to attend over them.
+block* (``pad_block``, the last), belongs to no sequence: block tables are padded with it
+(:meth:`PagedKVPool.table_row`), and the padding rows of a captured decode step write into it.
+:class:`PagedAttention` is what the model sees as its ``cache`` for one step: it writes the
+step's new keys and values into their slots (:func:`slot_of`), then gathers each sequence's
+keys and values back through its block table to attend over them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from minillm.model.config import ModelConfig
 from minillm.model.gpt import fused_attention
 
 # How the engine attends: "torch" gathers length-sorted groups of decodes and makes one fused
 # attention call per group; "torch-loop" attends one sequence at a time (chapter 8's foil);
-# "triton" runs chapter 15's kernels, which read the blocks in place.
+# "triton" runs chapter 15's kernels, which read the blocks in place: build_engine hands them in
+# as AttentionKernels.
 ATTENTION_BACKENDS = ("torch", "torch-loop", "triton")
+
+
+@dataclass(frozen=True)
+class AttentionKernels:
+    """Attention by kernels that read the pool in place instead of gathering it (chapter 15's
+    Triton ones, which :func:`minillm.engine.build.build_engine` hands in for
+    ``attention="triton"``). ``decode`` has :func:`gather_decode_attention`'s signature;
+    ``prefill(q, k, v)`` is causal attention over ``[1, heads, T, head_dim]`` tensors."""
+
+    name: str
+    decode: Callable[..., torch.Tensor]
+    prefill: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def slot_of(block_table: list[int] | torch.Tensor, position: int | torch.Tensor, block_size: int) -> int | torch.Tensor:
+    """The pool slot of ``position`` in a sequence whose blocks are ``block_table``: position
+    ``p`` is slot ``p % block_size`` of block ``block_table[p // block_size]``. An int position
+    and a list table give an int; tensors give every position's slot at once."""
+    return block_table[position // block_size] * block_size + position % block_size
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -62,25 +85,65 @@ class PagedKVPool:
         n, bs, h, d = self.k.shape[1:]
         return self.k[layer].view(n * bs, h, d), self.v[layer].view(n * bs, h, d)
 
-    def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values of ``blocks`` (a flat list of block ids), copied side by side
-        into a scratch buffer this pool keeps: ``[len(blocks) * block_size, heads, head_dim]``.
+    def scratch(self, blocks: int) -> torch.Tensor:
+        """A flat buffer this pool keeps, room for the keys and the values of ``blocks`` blocks,
+        for :func:`gather_decode_attention` to gather into; overwritten by the next gather.
 
         Reusing one buffer matters more than it looks. A fresh tensor of tens of megabytes is
         new memory from the operating system, and touching it for the first time costs a page
         fault per 4 KiB: on a CPU that made each gather several times slower than the copy.
-        The views returned are overwritten by the next call.
         """
-        _, nb, bs, h, d = self.k.shape
-        row = bs * h * d
-        need = 2 * len(blocks) * row
+        need = 2 * blocks * self.k[0, 0].numel()
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, device=self.k.device, dtype=self.k.dtype)
-        k_out = self._scratch[: need // 2].view(len(blocks), row)
-        v_out = self._scratch[need // 2 : need].view(len(blocks), row)
-        torch.index_select(self.k[layer].view(nb, row), 0, blocks, out=k_out)
-        torch.index_select(self.v[layer].view(nb, row), 0, blocks, out=v_out)
-        return k_out.view(-1, h, d), v_out.view(-1, h, d)
+        return self._scratch
+
+    def table_row(self, block_table: list[int], width: int) -> list[int]:
+        """The first ``width`` blocks of ``block_table``, padded to ``width`` with the pad block:
+        the one padding of the attention's ``[B, W]`` tables. Padding entries lie past the
+        row's length, so they are masked out (or, by a kernel, never read)."""
+        row = block_table[:width]
+        return row + [self.pad_block] * (width - len(row))
+
+
+def gather_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                            lengths: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per row over its cached keys and values, the eager and the captured decode
+    alike: gather the rows' blocks side by side (one ``index_select`` each for keys and values),
+    mask each row past its length, one fused attention call.
+
+    ``q`` is ``[B, heads, head_dim]``; ``k_pool``, ``v_pool`` one layer of the pool, ``[blocks,
+    block_size, heads, head_dim]``; ``tables`` ``[B, W]`` block ids, padded past each row's
+    blocks (:meth:`PagedKVPool.table_row`); ``lengths`` ``[B]``, each row's positions including
+    the new one's. ``scratch`` (:meth:`PagedKVPool.scratch`) is gathered into when given; a
+    captured step gathers into memory of its own, whose address a replay can rely on.
+    Returns ``[B, heads, head_dim]``."""
+    b, width = tables.shape
+    nb, bs, h, d = k_pool.shape
+    n, row = b * width, bs * h * d
+    k_rows = v_rows = None
+    if scratch is not None:
+        k_rows, v_rows = scratch[: n * row].view(n, row), scratch[n * row : 2 * n * row].view(n, row)
+    blocks = tables.reshape(-1)
+    keys = torch.index_select(k_pool.view(nb, row), 0, blocks, out=k_rows).view(b, width * bs, h, d).transpose(1, 2)
+    values = torch.index_select(v_pool.view(nb, row), 0, blocks, out=v_rows).view(b, width * bs, h, d).transpose(1, 2)
+    mask = torch.arange(width * bs, device=q.device) < lengths[:, None]
+    return F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask[:, None, None, :])[:, :, 0]
+
+
+def loop_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                          lengths: torch.Tensor) -> torch.Tensor:
+    """The same, one row at a time, each through its own block table: exactly its slots are
+    read, with no padding, but every row pays a handful of operations."""
+    _, bs, h, d = k_pool.shape
+    k_slots, v_slots = k_pool.view(-1, h, d), v_pool.view(-1, h, d)
+    out = torch.empty_like(q)
+    for i, n in enumerate(lengths.tolist()):
+        slots = slot_of(tables[i], torch.arange(n, device=q.device), bs)
+        keys = k_slots.index_select(0, slots).transpose(0, 1)  # [heads, n, head_dim]
+        values = v_slots.index_select(0, slots).transpose(0, 1)
+        out[i] = F.scaled_dot_product_attention(q[i, :, None], keys, values)[:, 0]
+    return out
 
 
 @dataclass
@@ -96,14 +159,12 @@ class PrefillChunk:
 @dataclass
 class DecodeGroup:
     """Decodes ``start .. end - 1`` of the flat batch, of similar lengths, attended together:
-    ``blocks`` holds each one's block table padded to ``width`` blocks, ``mask`` hides the
-    slots past each one's length, ``lengths`` holds those lengths (new token included)."""
+    ``tables`` ``[B, W]`` holds each one's block table padded to the longest of the group,
+    ``lengths`` their lengths (new token included)."""
 
     start: int
     end: int
-    width: int
-    blocks: torch.Tensor
-    mask: torch.Tensor
+    tables: torch.Tensor
     lengths: torch.Tensor
 
 
@@ -112,16 +173,17 @@ class PagedAttention:
 
     The step's tokens are laid out flat, as one ``[1, N]`` batch: first the single-token
     chunks (decodes), sorted by length, then the multi-token prefill chunks. Decodes are the
-    hot path. A group of decodes of similar length is done in one fused attention call: their
-    blocks are gathered into one ``[B, heads, L, head_dim]`` tensor, padded to the longest of
-    the group and masked past each one's length. Sorting by length before grouping keeps that
-    padding, which costs a copy and a read per slot, small. Prefill chunks, a few per step,
-    are done one by one with causal attention over their own prefix.
+    hot path. A group of decodes of similar length is done in one fused attention call
+    (:func:`gather_decode_attention`): their blocks are gathered into one ``[B, heads, L,
+    head_dim]`` tensor, padded to the longest of the group and masked past each one's length.
+    Sorting by length before grouping keeps that padding, which costs a copy and a read per
+    slot, small. Prefill chunks, a few per step, are done one by one with causal attention
+    over their own prefix.
 
-    ``backend`` names how decodes are attended (:meth:`decode`): ``"torch"`` by the gather just
-    described, ``"torch-loop"`` one sequence at a time, ``"triton"`` (chapter 15) by a kernel
-    that reads the blocks in place through the block tables, with no gather; with ``"triton"``
-    prefills use the FlashAttention kernel too.
+    ``backend`` is how decodes are attended (:meth:`decode`): ``"torch"`` by the gather just
+    described, ``"torch-loop"`` one sequence at a time, or :class:`AttentionKernels` that read
+    the blocks in place through the block tables, with no gather (chapter 15), and do the
+    prefills too.
     """
 
     def __init__(
@@ -130,10 +192,10 @@ class PagedAttention:
         slot_mapping: torch.Tensor,
         decodes: list[DecodeGroup],
         prefills: list[PrefillChunk],
-        backend: str = "torch",
+        backend: str | AttentionKernels = "torch",
     ) -> None:
-        if backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
+        if backend not in ("torch", "torch-loop") and not isinstance(backend, AttentionKernels):
+            raise ValueError(f"attention must be 'torch', 'torch-loop' or AttentionKernels, got {backend!r}")
         self.pool, self.slot_mapping, self.decodes, self.prefills = pool, slot_mapping, decodes, prefills
         self.backend = backend
 
@@ -145,59 +207,22 @@ class PagedAttention:
         out = torch.empty_like(q)
         for group in self.decodes:
             out[0, :, group.start : group.end] = self.decode(layer, q[0, :, group.start : group.end], group)
+        prefill = self.backend.prefill if isinstance(self.backend, AttentionKernels) else fused_attention
         for chunk in self.prefills:
             rows = slice(chunk.offset, chunk.offset + chunk.num_tokens)
             keys = k_slots.index_select(0, chunk.slots).transpose(0, 1)[None]
             values = v_slots.index_select(0, chunk.slots).transpose(0, 1)[None]
-            if self.backend == "triton":
-                from minillm.speedups.kernels.flash_triton import flash_attention
-
-                out[:, :, rows] = flash_attention(q[:, :, rows], keys, values, causal=True)
-            else:
-                out[:, :, rows] = fused_attention(q[:, :, rows], keys, values)
+            out[:, :, rows] = prefill(q[:, :, rows], keys, values)
         return out
 
     def decode(self, layer: int, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         """One decode group's attention, by this view's backend: ``q`` is ``[heads, B,
         head_dim]``, one query per sequence of the group; returns the same shape."""
-        if self.backend == "triton":
-            return self.decode_triton(layer, q, group)
-        if self.backend == "torch-loop":
-            return self.decode_loop(layer, q, group)
-        return self.decode_gather(layer, q, group)
-
-    def decode_gather(self, layer: int, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
-        """The whole group at once: its blocks gathered side by side, padded to the longest
-        member and masked past each one's length, then one fused attention call."""
-        b = group.end - group.start
-        keys, values = self.pool.gather(layer, group.blocks)
-        h, d = keys.shape[1:]
-        keys, values = keys.view(b, -1, h, d).transpose(1, 2), values.view(b, -1, h, d).transpose(1, 2)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1)[:, :, None], keys, values, attn_mask=group.mask
-        )
-        return out[:, :, 0].transpose(0, 1)
-
-    def decode_loop(self, layer: int, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
-        """The same, one sequence at a time, each through its own block table: exactly its
-        slots are read, with no padding, but every sequence pays a handful of operations."""
-        k_slots, v_slots = self.pool.slots(layer)
-        bs = self.pool.block_size
-        tables = group.blocks.view(group.end - group.start, group.width)
-        out = torch.empty_like(q)
-        for i, n in enumerate(group.lengths.tolist()):
-            slots = (tables[i, : -(-n // bs), None] * bs + torch.arange(bs, device=q.device)).flatten()[:n]
-            keys = k_slots.index_select(0, slots).transpose(0, 1)  # [heads, n, head_dim]
-            values = v_slots.index_select(0, slots).transpose(0, 1)
-            out[:, i] = torch.nn.functional.scaled_dot_product_attention(q[:, i : i + 1], keys, values)[:, 0]
-        return out
-
-    def decode_triton(self, layer: int, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
-        """The same as :meth:`decode_gather`, by the paged Triton kernel: no gather, no padding."""
-        from minillm.speedups.kernels.paged_triton import paged_decode_attention
-
-        b = group.end - group.start
-        out = paged_decode_attention(
-            q.transpose(0, 1), self.pool.k[layer], self.pool.v[layer], group.blocks.view(b, group.width), group.lengths
-        )
+        args = (q.transpose(0, 1), self.pool.k[layer], self.pool.v[layer], group.tables, group.lengths)
+        if self.backend == "torch":
+            out = gather_decode_attention(*args, scratch=self.pool.scratch(group.tables.numel()))
+        elif self.backend == "torch-loop":
+            out = loop_decode_attention(*args)
+        else:
+            out = self.backend.decode(*args)
         return out.transpose(0, 1)

@@ -13,26 +13,21 @@ of prompts.
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
-
-import torch
+from typing import Hashable, Protocol
 
 from minillm.decoding.detokenizer import IncrementalDetokenizer
 from minillm.engine.block_allocator import BlockAllocator
 from minillm.engine.config import EngineConfig
-from minillm.speedups.decode_graphs import DecodeGraphs, capture_mode, capture_unsupported
-from minillm.engine.kv_cache import PagedKVPool
+from minillm.engine.kv_cache import AttentionKernels, PagedKVPool
 from minillm.engine.memory import MemorySplit, measure
-from minillm.engine.model_runner import ChunkOutput, LaunchedStep, ModelRunner
+from minillm.engine.model_runner import ChunkOutput, DecodePrograms, ModelRunner
 from minillm.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from minillm.engine.sequence import FinishReason, RequestTimes, Sequence
-from minillm.speedups.speculative.speculator import Speculator
+from minillm.engine.sequence import RequestTimes, Sequence
 from minillm.decoding.logprobs import TokenLogprobs
 from minillm.model.gpt import GPT
-from minillm.speedups.packed import pack_weights, packing_unsupported
-from minillm.decoding.sampling import SamplingParams, make_generator
-from minillm.decoding.structured import GrammarCompiler
+from minillm.decoding.sampling import FinishReason, SamplingParams, make_generator
+from minillm.decoding.structured import grammar_compiler
 from minillm.data.tokenizer import Tokenizer, get_tokenizer
 
 
@@ -46,7 +41,7 @@ class RequestOutput:
     ``j + 1``, on the request's first output only) are set when its ``SamplingParams`` ask.
     ``cached_tokens`` is how much of the prompt the prefix cache held at its admission."""
 
-    request_id: str
+    request_id: Hashable
     new_token_ids: list[int]
     new_text: str
     finished: bool
@@ -61,6 +56,10 @@ class RequestOutput:
 
 @dataclass
 class EngineStats:
+    """What the engine holds and has done, as of the latest step: a snapshot that a reader on
+    another thread (the server's dashboard and metrics) may keep, since it refers to nothing
+    in the engine."""
+
     running: int
     waiting: int
     kv_blocks_used: int
@@ -71,26 +70,55 @@ class EngineStats:
     steps: int
     prefill_tokens: int  # prompt tokens computed, recomputation after preemption included
     generated_tokens: int
+    batch_size: int  # sequences in the latest step's batch (0 before the first)
 
     @property
     def kv_cache_usage(self) -> float:
         return self.kv_blocks_used / self.kv_blocks_total
 
 
+class Capture(Protocol):
+    """Captured decode programs to come (:class:`minillm.speedups.decode_graphs.Capture`): what
+    they will hold, given the measured decode peak (for the memory budget), then the programs
+    over the pool the engine sized."""
+
+    def graph_bytes(self, decode_peak: int) -> int: ...
+
+    def __call__(self, pool: PagedKVPool) -> DecodePrograms: ...
+
+
+@dataclass(frozen=True)
+class Speedups:
+    """What :func:`~minillm.engine.build.build_engine` plugs into the engine for the options that
+    need a later chapter, decided there once from ``EngineConfig``: ``kernels`` for
+    ``attention="triton"``; ``capture`` for decode steps run as captured programs, or else
+    ``eager_reason``, why they run eagerly. Packed weights need nothing here: the engine is
+    handed the packed model."""
+
+    kernels: AttentionKernels | None = None
+    capture: Capture | None = None
+    eager_reason: str | None = None
+
+
 class LLMEngine:
     """The paged, continuously batched engine over one ``GPT`` (or a model that acts as one:
-    quantized, or rank 0 of a tensor-parallel split)."""
+    quantized, packed, or rank 0 of a split over processes).
+
+    Constructed directly it is the plain core: every step eager, the model as it is handed
+    over. ``enforce_eager`` and ``pack_weights`` left at None mean exactly that here; an option
+    that asks for a plug-in outright (``enforce_eager=False``, ``pack_weights=True``,
+    ``attention="triton"``) is refused, since only ``build_engine`` (and ``LLM`` on it) wires
+    plug-ins in, through ``speedups``."""
 
     def __init__(
         self,
         model: GPT,
         config: EngineConfig | None = None,
         tokenizer: Tokenizer | None = None,
-        speculator: Speculator | None = None,
+        speedups: Speedups | None = None,
     ) -> None:
-        """``speculator``: speculative decoding for steps that decode a single request
-        (:mod:`minillm.speedups.speculative.speculator`); batched steps run as usual."""
         config = config or EngineConfig()
+        speedups = _plain_core(config) if speedups is None else speedups
         if getattr(model, "world_size", 1) != config.tensor_parallel_size:
             raise ValueError(
                 f"tensor_parallel_size={config.tensor_parallel_size} needs the model split over that many "
@@ -101,21 +129,19 @@ class LLMEngine:
                 f"pipeline_parallel_size={config.pipeline_parallel_size} needs the model split into that many stages: "
                 "build the engine with minillm.engine.build_engine (or LLM), which starts them"
             )
-        plain = model.eval()
-        self.model = model = _engine_model(plain, config)
+        self.model = model = model.eval()
         self.config = config
         self.tokenizer = tokenizer or get_tokenizer()
-        self.grammars = GrammarCompiler(self.tokenizer)  # for requests held to a JSON Schema
-        if config.attention == "triton":  # fail now, not in the first request
-            _require_triton(model.device)
-        self.eager_reason = _eager_reason(plain, config)
-        capture = capture_mode(model.device) if self.eager_reason is None else None
+        self.grammars = grammar_compiler(self.tokenizer)  # for requests held to a JSON Schema: shared with the server
+        self.eager_reason = speedups.eager_reason
+        attention = speedups.kernels or config.attention
         # the split of memory_budget, measured by a warm-up step; None when the cache was sized alone
         self.memory: MemorySplit | None = None
         if config.memory_budget is not None:
-            self.memory = measure(model, plain, config.memory_budget, block_size=config.block_size,
+            graph_bytes = speedups.capture.graph_bytes if speedups.capture is not None else None
+            self.memory = measure(model, config.memory_budget, block_size=config.block_size,
                                   max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                                  attention=config.attention, capture=capture)
+                                  attention=attention, graph_bytes=graph_bytes)
         # every stage's pool has as many blocks (the block tables are shared): the largest sizes them
         sizing_cfg = getattr(model, "largest_stage_cfg", model.cfg)
         num_blocks = self.memory.blocks if self.memory else config.pool_blocks(sizing_cfg, model.dtype, model.device)
@@ -127,26 +153,21 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=model.cfg.context_length,
             enable_chunked_prefill=config.enable_chunked_prefill,
-            num_lookahead_slots=speculator.k if speculator is not None else 0,
         )
-        self.graphs = None if capture is None else DecodeGraphs(plain, self.pool, config.max_num_seqs, config.attention)
-        self.runner = ModelRunner(model, self.pool, config.attention, speculator, self.graphs)
+        self.graphs = None if speedups.capture is None else speedups.capture(self.pool)
+        self.runner = ModelRunner(model, self.pool, attention, self.graphs)
         self._steps = self._prefill_tokens = self._generated = 0
-        self._in_flight: deque[LaunchedStep] = deque()  # pipelined micro-batches, oldest first
         self.last_step: SchedulerOutput | None = None  # what the latest step ran, for timelines and dashboards
-
-    @property
-    def speculator(self) -> Speculator | None:
-        return self.runner.speculator
 
     def add_request(
         self,
-        request_id: str,
+        request_id: Hashable,
         prompt: str | list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> Sequence:
-        """Queue a request. Raises ``ValueError`` (a ``RequestRejected``) if it can never run."""
+        """Queue a request under ``request_id``, any hashable key unique among the unfinished
+        requests. Raises ``ValueError`` (a ``RequestRejected``) if it can never run."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.model.cfg.vocab_size
@@ -159,7 +180,6 @@ class LLMEngine:
         seq = Sequence(
             request_id=request_id,
             token_ids=ids,
-            prompt_len=len(ids),
             params=params,
             max_model_len=self.model.cfg.context_length,
             eos_token_id=self.tokenizer.eot,
@@ -172,37 +192,13 @@ class LLMEngine:
         return seq
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns an output for every request that advanced. With a
-        pipelined model, one micro-batch's step (see :meth:`pipelined_step`)."""
-        if self.config.micro_batches > 1:
-            return self.pipelined_step()
+        """Run one scheduler step; returns an output for every request that advanced."""
         output = self.scheduler.schedule(time.monotonic())
         self.last_step = output
         if output.is_empty:
             return []
         produced = self.runner.execute(output)  # if this raises, no sequence has changed
         return self._finish_step(output, produced)
-
-    def pipelined_step(self) -> list[RequestOutput]:
-        """Keep ``micro_batches`` batches in flight through the pipeline's stages, then finish
-        the oldest. Each new micro-batch is scheduled from the sequences not already in
-        flight, with an even share of the unfinished requests, so the micro-batches come out
-        of similar size; while stage 1 works on one, rank 0 computes stage 0 of the next.
-        Sequences in flight are never preempted (their keys are still being written): the
-        scheduler takes its victims from the others, or waits."""
-        depth = self.config.micro_batches
-        while len(self._in_flight) < depth:
-            busy = {id(c.seq) for launched in self._in_flight for c in launched.output.chunks}
-            share = -(-(self.scheduler.num_running + self.scheduler.num_waiting) // depth)
-            output = self.scheduler.schedule(time.monotonic(), busy=busy, max_seqs=max(1, share))
-            if output.is_empty:
-                break
-            self.last_step = output
-            self._in_flight.append(self.runner.launch(output))
-        if not self._in_flight:
-            return []
-        launched = self._in_flight.popleft()
-        return self._finish_step(launched.output, self.runner.collect(launched))
 
     def _finish_step(self, output: SchedulerOutput, produced: list[ChunkOutput]) -> list[RequestOutput]:
         """Append what a step produced to its sequences, then let the scheduler account for it."""
@@ -218,7 +214,7 @@ class LLMEngine:
                 if made.tokens:
                     results.append(self._append(chunk, made, now))
         finally:  # even if appending failed, finished sequences must give their blocks back
-            self.scheduler.postprocess(output, now)
+            self.scheduler.postprocess(output)
         self._steps += 1
         return results
 
@@ -237,7 +233,7 @@ class LLMEngine:
         for token in tokens:
             seq.append_token(token, now)
             appended.append(token)
-            if not seq.is_stop_token(token):
+            if not seq.params.stops_on(token, seq.eos_token_id):
                 text.append(detok.add(token))
             if detok.stopped and not seq.is_finished:
                 seq.finish(FinishReason.STOP, now)
@@ -260,14 +256,20 @@ class LLMEngine:
             min(seq.num_cached_prompt_tokens, seq.prompt_len),
         )
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: Hashable) -> bool:
         """Stop a request now (its client went away); its blocks return to the pool."""
         return self.scheduler.abort(request_id, time.monotonic()) is not None
 
     @property
-    def unfinished_request_ids(self) -> list[str]:
+    def unfinished_request_ids(self) -> list[Hashable]:
         """Every request still waiting or running, oldest first."""
         return self.scheduler.unfinished_request_ids
+
+    @property
+    def queued_request_ids(self) -> list[Hashable]:
+        """The requests never scheduled yet, oldest first: nothing computed, nothing sent, so a
+        server shutting down can refuse them outright."""
+        return self.scheduler.queued_request_ids
 
     def close(self) -> None:
         """Release what outlives the engine's steps: a tensor-parallel model's worker processes."""
@@ -277,8 +279,8 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        """Requests waiting or running, or a micro-batch still in flight (even an aborted one's)."""
-        return self.scheduler.has_unfinished or bool(self._in_flight)
+        """Requests waiting or running."""
+        return self.scheduler.has_unfinished
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -292,39 +294,16 @@ class LLMEngine:
             steps=self._steps,
             prefill_tokens=self._prefill_tokens,
             generated_tokens=self._generated,
+            batch_size=len(self.last_step.chunks) if self.last_step is not None else 0,
         )
 
 
-def _eager_reason(model: GPT, config: EngineConfig) -> str | None:
-    """Why every step runs eagerly, or None when decode steps are captured (see
-    ``enforce_eager``): ``config`` asks for it and the model is one the captured programs,
-    whose buckets cover ``max_num_seqs`` rows, can run."""
-    if config.enforce_eager or (config.enforce_eager is None and model.device.type != "cuda"):
-        return "enforce_eager" if config.enforce_eager else "a CPU compiles only when asked (enforce_eager=False)"
-    return capture_unsupported(model)
-
-
-def _engine_model(model: GPT, config: EngineConfig) -> GPT:
-    """The model the engine runs: ``model`` itself, or its weight-packed copy (``pack_weights``)."""
-    if config.pack_weights is not None:
-        pack = config.pack_weights
-    else:
-        pack = not config.enforce_eager and config.memory_budget is None
-    if not pack:
-        return model
-    reason = packing_unsupported(model)
-    if reason is None:
-        return pack_weights(model)
-    if config.pack_weights:
-        raise ValueError(f"pack_weights=True: {reason}")
-    return model
-
-
-def _require_triton(device: torch.device) -> None:
-    """A ``ValueError`` that says why ``attention="triton"`` cannot run on ``device``."""
-    from minillm.speedups.kernels.runtime import TritonUnavailable, require_triton
-
-    try:
-        require_triton(device)
-    except TritonUnavailable as err:
-        raise ValueError(f"attention='triton' cannot run here: {err}") from None
+def _plain_core(config: EngineConfig) -> Speedups:
+    """The plain core's plug-ins: none. An option that asks for one outright is refused."""
+    asks = {"enforce_eager=False": config.enforce_eager is False, "pack_weights=True": config.pack_weights is True,
+            "attention='triton'": config.attention == "triton"}
+    for option, asked in asks.items():
+        if asked:
+            raise ValueError(f"{option} needs a plug-in: build the engine with minillm.engine.build_engine (or LLM), "
+                             "which wires it in")
+    return Speedups(eager_reason="enforce_eager" if config.enforce_eager else "a plain LLMEngine (build_engine captures)")

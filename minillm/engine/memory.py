@@ -40,18 +40,17 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
 
 from minillm.model.config import ModelConfig
-from minillm.speedups.decode_graphs import bucket_sizes
-from minillm.engine.kv_cache import PagedKVPool, kv_bytes_per_token
+from minillm.engine.kv_cache import AttentionKernels, PagedKVPool, kv_bytes_per_token
 from minillm.engine.model_runner import ModelRunner
 from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from minillm.engine.sequence import Sequence
 from minillm.model.gpt import GPT
-from minillm.speedups.packed import packed_bytes
 from minillm.decoding.sampling import SamplingParams, make_generator
 from minillm.sizes import parse_memory
 
@@ -167,16 +166,15 @@ def plan(budget: int, *, runtime: int, weights: int, activations: int, allocator
 
 def weight_bytes(*models: nn.Module) -> int:
     """Bytes of the tensors ``models`` hold (parameters and buffers, each storage once however
-    many of them share it), with the packed copies their layers multiply through
-    (:func:`minillm.speedups.packed.packed_bytes`). A tensor-parallel model counts this rank's shard."""
+    many of them share it). A model split over processes counts this rank's part (``local``).
+    A budgeted engine never runs packed weights (``EngineConfig.pack_weights`` says why), so
+    their copies need no counting here."""
     storages: dict[int, int] = {}
-    packed = 0
     for model in models:
-        module = getattr(model, "shard", model)  # a TensorParallelGPT: this rank's ShardedGPT
+        module = getattr(model, "local", model)
         for t in [*module.parameters(), *module.buffers()]:
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        packed += packed_bytes(module)
-    return sum(storages.values()) + packed
+    return sum(storages.values())
 
 
 def _proc_status(field: str) -> int:
@@ -255,7 +253,7 @@ def worst_steps(cfg: ModelConfig, block_size: int, max_num_seqs: int, max_num_ba
     params = SamplingParams(max_tokens=1, temperature=1.0, top_k=cfg.vocab_size, seed=0)
 
     def chunk(i: int, num_tokens: int) -> ScheduledChunk:
-        seq = Sequence(f"memory-profile-{i}", [0] * ctx, ctx, params, ctx, block_table=table,
+        seq = Sequence(f"memory-profile-{i}", [0] * ctx, params, ctx, block_table=table,
                        generator=make_generator(params, device))
         return ScheduledChunk(seq, ctx - num_tokens, num_tokens)
 
@@ -271,7 +269,7 @@ def worst_steps(cfg: ModelConfig, block_size: int, max_num_seqs: int, max_num_ba
 
 @torch.inference_mode()
 def profile_peak(model: GPT, *, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 attention: str = "torch") -> tuple[int, int]:
+                 attention: str | AttentionKernels = "torch") -> tuple[int, int]:
     """The memory the largest steps need above what is resident before them, as
     ``(step_peak, decode_peak)`` in bytes, measured by running them (:func:`worst_steps`)
     through a :class:`ModelRunner` over a throwaway pool of one sequence's blocks.
@@ -300,26 +298,22 @@ def profile_peak(model: GPT, *, block_size: int, max_num_seqs: int, max_num_batc
     return max(step_peak, 0), max(decode_peak, 0)
 
 
-def measure(model: GPT, plain: GPT, budget: str | int, *, block_size: int, max_num_seqs: int,
-            max_num_batched_tokens: int, attention: str, capture: str | None) -> MemorySplit:
+def measure(model: GPT, budget: str | int, *, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+            attention: str | AttentionKernels, graph_bytes: Callable[[int], int] | None) -> MemorySplit:
     """The split of ``budget`` for an engine about to run ``model`` with those settings (its
-    ``EngineConfig``'s); ``plain`` is the model it was made from (the same, or the one its
-    packed copy shares tensors with).
+    ``EngineConfig``'s, and its attention backend).
 
-    ``capture`` is how decode steps will be captured (``"cuda-graph"``, ``"compile"``, or None
-    for eager), which decides ``graphs``. A CUDA graph's private memory holds one decode
-    step's intermediates for as long as the graph lives: the measured decode peak. A compiled
-    CPU step (Inductor with ``freezing``) makes the weights constants of each bucket's
-    program, laid out for its kernels: up to one copy of the plain model's weights per bucket,
-    counted as ``buckets * weights``, an upper bound, since nothing is compiled yet. Not
-    counted: Inductor's own state once it has compiled (its modules and caches, about 150 MB
-    here), which a CPU server holds before its first request but after this split; leave room
-    for it, or keep a budgeted CPU server eager (its default).
+    ``graph_bytes`` says what captured decode programs will hold, given the measured decode
+    peak (:meth:`minillm.speedups.decode_graphs.Capture.graph_bytes`: a CUDA graph holds one
+    decode step's intermediates, a compiled CPU step a copy of the weights per bucket); None
+    when steps run eagerly. Inductor's own state once it has compiled (about 150 MB here) is
+    held before a CPU server's first request but after this split: leave room for it, or keep
+    a budgeted CPU server eager (its default).
     """
     device = model.device
     check_measurable(device)
     budget = parse_memory(budget)
-    weights = weight_bytes(model, plain)
+    weights = weight_bytes(model)
     resident, outside = resident_bytes(device), _outside_allocator(device)
     step_peak, decode_peak = profile_peak(model, block_size=block_size, max_num_seqs=max_num_seqs,
                                           max_num_batched_tokens=max_num_batched_tokens, attention=attention)
@@ -327,12 +321,7 @@ def measure(model: GPT, plain: GPT, budget: str | int, *, block_size: int, max_n
     # peak: add it. On a CPU the resident set's peak has it already.
     runtime = max(resident - weights, 0) + max(_outside_allocator(device) - outside, 0)
     allocator = min(2 * step_peak, CPU_HEAP_SLACK) if device.type == "cpu" else 0
-    if capture == "cuda-graph":
-        graphs = decode_peak
-    elif capture == "compile":
-        graphs = len(bucket_sizes(max_num_seqs)) * weight_bytes(plain)
-    else:
-        graphs = 0
+    graphs = graph_bytes(decode_peak) if graph_bytes is not None else 0
     return plan(budget, runtime=runtime, weights=weights, activations=step_peak, allocator=allocator,
                 graphs=graphs, block_bytes=block_size * kv_bytes_per_token(model.cfg, model.dtype),
                 block_size=block_size, context_length=model.cfg.context_length)

@@ -22,10 +22,9 @@ scheduler builds one batch under three limits, ``max_num_seqs`` sequences runnin
    slots for the draft tokens (:meth:`Scheduler.reserve_lookahead`), so the scheduler stays
    the only one that hands out blocks.
 
-4. With a pipelined model (chapter 16) the engine keeps several micro-batches in flight and
-   asks for each one separately, naming the sequences already in flight: they are neither
-   scheduled again nor preempted (their keys are still being written), and each micro-batch
-   takes a share of the sequences, so they come out of similar size.
+4. An engine that keeps several steps in flight (a pipeline's micro-batches, chapter 16)
+   names the sequences still in one: they are neither scheduled again nor preempted (their
+   keys are still being written), and it may cap a step's chunks to share them out.
 
 A request that could never run (an empty prompt, a prompt that fills the context, or one
 needing more blocks than the pool holds) is refused at :meth:`Scheduler.add`.
@@ -34,10 +33,12 @@ needing more blocks than the pool holds) is refused at :meth:`Scheduler.add`.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection, Hashable
 from dataclasses import dataclass, field
 
+from minillm.decoding.sampling import FinishReason
 from minillm.engine.block_allocator import BlockAllocator
-from minillm.engine.sequence import FinishReason, Sequence, SequenceStatus
+from minillm.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
@@ -85,19 +86,6 @@ class SchedulerOutput:
         self.num_batched_tokens += chunk.num_tokens
 
 
-@dataclass
-class SchedulerStats:
-    """A snapshot for the server's metrics, named as an operator of vLLM would expect."""
-
-    num_running: int
-    num_waiting: int
-    num_preemptions: int  # since the scheduler started
-    num_used_blocks: int
-    num_blocks: int
-    kv_cache_usage: float  # fraction of blocks held by sequences
-    prefix_cache_hit_rate: float  # prompt tokens found in the cache / looked up
-
-
 class RequestRejected(ValueError):
     """A request that can never be served, refused on arrival rather than queued forever."""
 
@@ -137,9 +125,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self._busy: set[int] | frozenset[int] = frozenset()  # this schedule's sequences in flight
-        self._max_seqs = max_num_seqs  # this schedule's most chunks
-        self._requests: dict[str, Sequence] = {}  # unfinished requests by id, for abort
+        self._busy: Collection[Sequence] = ()  # this step's sequences still in an earlier step
+        self._max_seqs = max_num_seqs  # this step's most chunks
+        self._requests: dict[Hashable, Sequence] = {}  # unfinished requests by id, for abort
 
     # ------------------------------------------------------------------ arrival
 
@@ -177,14 +165,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
 
-    def schedule(self, now: float, busy: set[int] | frozenset[int] = frozenset(),
-                 max_seqs: int | None = None) -> SchedulerOutput:
+    def schedule(self, now: float, busy: Collection[Sequence] = (), max_seqs: int | None = None) -> SchedulerOutput:
         """Choose this step's chunks: running sequences first, then admissions (see the module
         docstring). Blocks for every chunk are allocated before it is returned.
 
-        A pipelined engine (several micro-batches in flight) passes ``busy``, the ``id`` of
-        each sequence in flight, which is neither scheduled nor preempted, and ``max_seqs``,
-        this micro-batch's share of the sequences."""
+        An engine with earlier steps still in flight passes their sequences as ``busy``, which
+        are neither scheduled nor preempted, and may cap this step at ``max_seqs`` chunks."""
         out = SchedulerOutput()
         self._busy, self._max_seqs = busy, max_seqs or self.max_num_seqs
         self.schedule_running(out)
@@ -218,14 +204,13 @@ class Scheduler:
         return self.max_num_batched_tokens - out.num_batched_tokens
 
     def schedule_running(self, out: SchedulerOutput) -> None:
-        """One chunk per running sequence, oldest first, while the token budget lasts (with a
-        pipeline, skipping the sequences in flight). Preemption takes sequences from the end of
-        ``running``, which this loop has not reached yet, so no scheduled chunk ever loses its
-        blocks."""
+        """One chunk per running sequence not ``busy``, oldest first, while the token budget
+        lasts. Preemption takes sequences from the end of ``running``, which this loop has not
+        reached yet, so no scheduled chunk ever loses its blocks."""
         i = 0
         while i < len(self.running) and self._budget_left(out) > 0 and len(out.chunks) < self._max_seqs:
             seq = self.running[i]
-            if id(seq) in self._busy:
+            if seq in self._busy:
                 i += 1
                 continue
             end = min(seq.num_tokens, seq.num_computed_tokens + self._budget_left(out))
@@ -246,9 +231,9 @@ class Scheduler:
         return True
 
     def newest_preemptible(self) -> Sequence:
-        """The newest running sequence that no micro-batch has in flight (without a pipeline,
-        simply the newest): the next to preempt."""
-        return next(s for s in reversed(self.running) if id(s) not in self._busy)
+        """The newest running sequence not ``busy`` (no earlier step still computing it): the
+        next to preempt."""
+        return next(s for s in reversed(self.running) if s not in self._busy)
 
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Take back all of ``seq``'s blocks and queue it first, to recompute later. Its
@@ -297,12 +282,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ after the model ran
 
-    def postprocess(self, output: SchedulerOutput, now: float) -> list[Sequence]:
+    def postprocess(self, output: SchedulerOutput) -> list[Sequence]:
         """Account for a step the engine has run (and whose sampled tokens it has appended,
         finishing some sequences): advance each chunk's computed tokens, put newly full blocks
         in the prefix cache, and retire finished sequences, freeing their blocks. Returns the
-        sequences that finished. ``now`` is the step's end time, kept in the signature so the
-        engine's call stays the same for policies that use it (this one needs no clock).
+        sequences that finished.
 
         A chunk that sampled leaves every token of its sequence computed but the newest, which
         is the next step's input; with speculation that includes the draft tokens accepted in
@@ -329,7 +313,7 @@ class Scheduler:
             self.running = [s for s in self.running if not s.is_finished]
         return finished
 
-    def abort(self, request_id: str, now: float) -> Sequence | None:
+    def abort(self, request_id: Hashable, now: float) -> Sequence | None:
         """Finish a waiting or running request with ``"abort"`` and free its blocks. Returns
         it, or None if there is no such unfinished request (a request that has just finished
         keeps its real finish reason; the next :meth:`postprocess` retires it)."""
@@ -352,15 +336,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     @property
-    def unfinished_request_ids(self) -> list[str]:
+    def unfinished_request_ids(self) -> list[Hashable]:
         """Every waiting or running request's id, in arrival order."""
         return list(self._requests)
 
     @property
-    def queued_request_ids(self) -> set[str]:
-        """The waiting requests that were never scheduled: nothing computed, nothing sent (a
-        preempted request is waiting too, but its client has seen tokens)."""
-        return {seq.request_id for seq in self.waiting if seq.status is SequenceStatus.WAITING}
+    def queued_request_ids(self) -> list[Hashable]:
+        """The waiting requests that were never scheduled, in arrival order: nothing computed,
+        nothing sent (a preempted request is waiting too, but its client has seen tokens)."""
+        return [seq.request_id for seq in self.waiting if seq.status is SequenceStatus.WAITING]
 
     @property
     def num_running(self) -> int:
@@ -369,15 +353,3 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
-
-    def stats(self) -> SchedulerStats:
-        a = self.allocator
-        return SchedulerStats(
-            num_running=self.num_running,
-            num_waiting=self.num_waiting,
-            num_preemptions=self.num_preemptions,
-            num_used_blocks=a.num_used_blocks,
-            num_blocks=a.num_blocks,
-            kv_cache_usage=a.usage,
-            prefix_cache_hit_rate=a.prefix_hit_rate,
-        )

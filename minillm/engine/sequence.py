@@ -15,16 +15,19 @@ rest is bookkeeping that the scheduler and the allocator need:
   request's one record: finishing a request is dropping this object, with nothing keyed by
   its id left to clean up elsewhere.
 
-The one rule that is not bookkeeping lives in :meth:`Sequence.append_token`: when to stop.
+The one rule that is not bookkeeping, when to stop, is :meth:`SamplingParams.finish_reason`,
+which :meth:`Sequence.append_token` applies (with the schema's own end, which only a
+sequence knows).
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from minillm.decoding.sampling import SamplingParams
+from minillm.decoding.sampling import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -41,14 +44,6 @@ class SequenceStatus(Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again: its blocks were freed, it will be recomputed
     FINISHED = "finished"
-
-
-class FinishReason(str, Enum):
-    """Why generation ended, with the strings OpenAI's API uses for ``finish_reason``."""
-
-    STOP = "stop"  # the end-of-text token, a stop token id, or a stop string
-    LENGTH = "length"  # max_tokens generated, or the model's context is full
-    ABORT = "abort"  # the client went away or cancelled
 
 
 @dataclass(frozen=True)
@@ -79,16 +74,19 @@ class RequestTimes:
 
 @dataclass(eq=False)
 class Sequence:
-    """A request being served. ``eq=False``: two requests with the same tokens are still two
+    """A request being served, made from its prompt: ``token_ids`` starts as a copy of it, and
+    ``prompt_len`` is its length. ``eq=False``: two requests with the same tokens are still two
     requests, so sequences compare (and hash) by identity and can live in sets and dicts.
 
-    ``max_model_len`` is the model's context: ``num_tokens`` never exceeds it, because the
-    position embedding has no row for a position beyond it.
+    ``request_id`` is any hashable key unique among the unfinished requests: ``LLM`` uses
+    strings, the server a (request, choice) pair. ``max_model_len`` is the model's context:
+    ``num_tokens`` never exceeds it, because the position embedding has no row for a position
+    beyond it.
     """
 
-    request_id: str
+    request_id: Hashable
     token_ids: list[int]
-    prompt_len: int
+    prompt_len: int = field(init=False)  # the first prompt_len of token_ids are the prompt
     params: SamplingParams
     max_model_len: int
     eos_token_id: int | None = None
@@ -110,19 +108,9 @@ class Sequence:
     # With params.prompt_logprobs: entry j scores prompt token j + 1, filled in by the prefill
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
-    @classmethod
-    def from_prompt(
-        cls,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        max_model_len: int,
-        eos_token_id: int | None = None,
-        arrival_time: float = 0.0,
-    ) -> Sequence:
-        """A new, waiting sequence whose tokens so far are a copy of ``prompt_ids``."""
-        ids = list(prompt_ids)
-        return cls(request_id, ids, len(ids), params, max_model_len, eos_token_id, arrival_time)
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.token_ids)
+        self.prompt_len = len(self.token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -161,14 +149,12 @@ class Sequence:
                             self.finish_time or arrival, tuple(self.token_times))
 
     def append_token(self, token: int, now: float) -> None:
-        """Add one sampled token, record when it came, and finish if it ends the request.
-
-        A stop wins over a length limit when one token is both (an end-of-text token that is
-        also the last allowed one reports ``"stop"``, as vLLM and OpenAI do). A request held to
-        a schema stops as soon as its value is complete, with no end-of-text token to wait
-        for (and so even with ``ignore_eos``: the grammar allows nothing more). Appending to a
-        finished sequence is a bug in the caller (for example a sequence aborted while its
-        step ran), so it raises instead of silently growing a finished answer.
+        """Add one sampled token, record when it came, and finish if it ends the request
+        (:meth:`SamplingParams.finish_reason`). A request held to a schema stops as soon as its
+        value is complete, with no end-of-text token to wait for (and so even with
+        ``ignore_eos``: the grammar allows nothing more). Appending to a finished sequence is a
+        bug in the caller (for example a sequence aborted while its step ran), so it raises
+        instead of silently growing a finished answer.
         """
         if self.is_finished:
             raise RuntimeError(f"request {self.request_id!r} is finished ({self.finish_reason}); cannot append")
@@ -178,16 +164,13 @@ class Sequence:
         if self.first_token_time is None:
             self.first_token_time = now
         self.token_times.append(now)
-        if self.is_stop_token(token) or (self.grammar is not None and self.grammar.done):
-            self.finish(FinishReason.STOP, now)
-        elif self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
-            self.finish(FinishReason.LENGTH, now)
-
-    def is_stop_token(self, token: int) -> bool:
-        """True if ``token`` ends this request by being what it is (end-of-text, unless
-        ignored, or one of ``stop_token_ids``): such a token is not part of the text."""
-        eos = token == self.eos_token_id and not self.params.ignore_eos
-        return eos or token in self.params.stop_token_ids
+        if self.grammar is not None and self.grammar.done:
+            reason: FinishReason | None = FinishReason.STOP
+        else:
+            reason = self.params.finish_reason(token, self.num_output_tokens, self.eos_token_id,
+                                               self.num_tokens >= self.max_model_len)
+        if reason is not None:
+            self.finish(reason, now)
 
     def finish(self, reason: FinishReason, now: float) -> None:
         """Mark the request done. Its blocks are returned by the scheduler, which owns them."""

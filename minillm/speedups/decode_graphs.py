@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
-from minillm.speedups.graph_attention import PaddedDecodeAttention
-from minillm.engine.kv_cache import PagedKVPool
+from minillm.speedups.graph_attention import PaddedDecodeAttention, decode_backend
+from minillm.engine.kv_cache import AttentionKernels, PagedKVPool, slot_of
+from minillm.engine.memory import weight_bytes
 from minillm.engine.scheduler import ScheduledChunk
 from minillm.model.gpt import GPT
 from minillm.settings import cache_dir
@@ -75,19 +77,45 @@ def capture_mode(device: torch.device) -> str:
     return "cuda-graph" if device.type == "cuda" else "compile"
 
 
+@dataclass
+class Capture:
+    """Decode steps as captured programs, as ``build_engine`` plugs them into an engine: what
+    they will hold, for its memory budget, and then the :class:`DecodeGraphs` over the pool it
+    sized. ``model`` is the plain model, ``mode`` a :func:`capture_mode`."""
+
+    model: GPT
+    max_batch: int
+    kernels: AttentionKernels | None
+    mode: str
+
+    def graph_bytes(self, decode_peak: int) -> int:
+        """The memory the programs hold beside the engine's, before any is prepared. A CUDA
+        graph's private memory holds one decode step's intermediates for as long as the graph
+        lives: the measured ``decode_peak``. A compiled CPU step (Inductor with ``freezing``)
+        makes the weights constants of each bucket's program, laid out for its kernels: up to
+        one copy of the weights per bucket, an upper bound. Not counted: Inductor's own state
+        once it has compiled (its modules and caches, about 150 MB here)."""
+        if self.mode == "cuda-graph":
+            return decode_peak
+        return len(bucket_sizes(self.max_batch)) * weight_bytes(self.model)
+
+    def __call__(self, pool: PagedKVPool) -> DecodeGraphs:
+        return DecodeGraphs(self.model, pool, self.max_batch, self.kernels, self.mode)
+
+
 class DecodeStep(nn.Module):
     """One padded decode step as a module: the model is its submodule, so a compiler sees the
     weights as the module's parameters (constants, once frozen), while the KV pool and the
     step's buffers come in as inputs."""
 
-    def __init__(self, model: GPT, pool: PagedKVPool, attention: str, trim: bool) -> None:
+    def __init__(self, model: GPT, pool: PagedKVPool, kernels: AttentionKernels | None, trim: bool) -> None:
         super().__init__()
-        self.model, self.pool, self.attention, self.trim = model, pool, attention, trim
+        self.model, self.pool, self.backend, self.trim = model, pool, decode_backend(kernels), trim
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 tables: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[B, vocab]`` (float32) and their argmax ``[B]``, the same code in every mode."""
-        cache = PaddedDecodeAttention(self.pool, slots, tables, lengths, trim=self.trim, backend=self.attention)
+        cache = PaddedDecodeAttention(self.pool, slots, tables, lengths, trim=self.trim, backend=self.backend)
         hidden = self.model.hidden_states(tokens[None], positions[None], cache)[0]
         logits = self.model.logits(hidden).float()
         return logits, logits.argmax(dim=-1)
@@ -100,9 +128,10 @@ class DecodeGraphs:
     bucket's program (preparing it on first use); ``prepare()`` prepares every bucket up
     front, as a server does at start-up, and returns the seconds it took. ``model`` is the
     plain model: Inductor lays its weights out itself (``minillm.speedups.packed`` is for eager steps).
+    ``kernels``: attention kernels to run instead of the gather (``attention="triton"``).
     """
 
-    def __init__(self, model: GPT, pool: PagedKVPool, max_batch: int, attention: str = "torch",
+    def __init__(self, model: GPT, pool: PagedKVPool, max_batch: int, kernels: AttentionKernels | None = None,
                  mode: str | None = None) -> None:
         reason = capture_unsupported(model)
         if reason is not None:
@@ -111,7 +140,7 @@ class DecodeGraphs:
         self.mode = mode or capture_mode(model.device)
         if self.mode not in ("compile", "cuda-graph"):
             raise ValueError(f"mode must be 'compile' or 'cuda-graph', got {self.mode!r}")
-        self.step = DecodeStep(model, pool, attention, trim=self.mode == "compile")
+        self.step = DecodeStep(model, pool, kernels, trim=self.mode == "compile")
         self.buckets = bucket_sizes(max_batch)
         size, device = self.buckets[-1], model.device
         width = -(-model.cfg.context_length // pool.block_size)
@@ -171,12 +200,11 @@ class DecodeGraphs:
         rest), so only those are written."""
         bs = self.pool.block_size
         n = len(decodes)
-        positions = [c.start for c in decodes]
-        width = -(-(max(positions) + 1) // bs)
-        tables = [c.seq.block_table[:width] for c in decodes]
+        width = -(-(max(c.start for c in decodes) + 1) // bs)
         rows = [
-            [c.seq.token_ids[c.start], p, t[p // bs] * bs + p % bs, p + 1] + t + [self.pool.pad_block] * (width - len(t))
-            for c, p, t in zip(decodes, positions, tables)
+            [c.seq.token_ids[c.start], c.start, slot_of(c.seq.block_table, c.start, bs), c.start + 1]
+            + self.pool.table_row(c.seq.block_table, width)
+            for c in decodes
         ]
         host = torch.tensor(rows, dtype=torch.long)
         device = self.tokens.device

@@ -4,8 +4,9 @@ A captured decode step (:mod:`minillm.speedups.decode_graphs`) has fixed shapes:
 (the batch padded up to a bucket), each with one new token, a slot for its key and value, a
 block table ``[B, W]`` wide enough for the longest sequence the model allows, and a length.
 This operator does one layer's paged attention for such a batch: it writes the new keys and
-values into their slots, reads each row's blocks back and attends over them, masked past
-each row's length.
+values into their slots, then attends exactly as an eager decode does
+(:func:`~minillm.engine.kv_cache.gather_decode_attention`, masked past each row's length, its
+table padded with the pool's pad block), or through the kernels the engine was built with.
 
 It is also registered with ``torch.library`` (``padded_decode_op``) so that ``torch.compile``
 treats it as one node whose only side effect is writing the pool, instead of tracing into it. That lets it do one thing
@@ -13,16 +14,21 @@ a traced graph could not: on a CPU it reads only as many blocks as the longest r
 (``trim``), a width that changes every few steps and would otherwise recompile the graph
 or force it to read the whole context every step. A CUDA graph cannot ask the device how
 long the longest row is without stopping the stream, so there it reads the full width
-(``trim=False``) or, with ``backend="triton"``, lets chapter 15's kernel stop at each row's
-own length.
+(``trim=False``) or, with chapter 15's Triton kernels, lets the kernel stop at each row's own
+length.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from typing import Callable
 
-from minillm.engine.kv_cache import PagedKVPool
+import torch
+
+from minillm.engine.kv_cache import AttentionKernels, PagedKVPool, gather_decode_attention
+
+# The decode attentions the operator can run, by name (an operator's arguments are tensors and
+# plain values, not functions): the gather, and the kernels a captured engine was built with.
+DECODE_ATTENTION: dict[str, Callable[..., torch.Tensor]] = {"torch": gather_decode_attention}
 
 
 def padded_decode_attention(
@@ -40,26 +46,15 @@ def padded_decode_attention(
 ) -> torch.Tensor:
     """``q``, ``k``, ``v``: ``[1, heads, B, head_dim]``, one new token per row; ``k_pool``,
     ``v_pool``: the pool's ``[layers, blocks, block_size, heads, head_dim]``; ``slots``,
-    ``lengths``: ``[B]``; ``tables``: ``[B, W]`` block ids. Returns ``q``'s shape."""
+    ``lengths``: ``[B]``; ``tables``: ``[B, W]`` block ids; ``backend``: a
+    :data:`DECODE_ATTENTION` name. Returns ``q``'s shape."""
     _, nb, bs, h, d = k_pool.shape
-    b = q.shape[2]
-    k_slots, v_slots = k_pool[layer].view(nb * bs, h, d), v_pool[layer].view(nb * bs, h, d)
-    k_slots.index_copy_(0, slots, k[0].transpose(0, 1))
-    v_slots.index_copy_(0, slots, v[0].transpose(0, 1))
-    queries = q[0].transpose(0, 1)  # [B, heads, head_dim]
-    if backend == "triton":
-        from minillm.speedups.kernels.paged_triton import paged_decode_attention
-
-        out = paged_decode_attention(queries, k_pool[layer], v_pool[layer], tables, lengths)
-        return out.transpose(0, 1)[None]
-    width = -(-int(lengths.max()) // bs) if trim else tables.shape[1]
-    blocks = tables[:, :width].reshape(-1)
-    row = bs * h * d
-    keys = k_pool[layer].view(nb, row).index_select(0, blocks).view(b, width * bs, h, d).transpose(1, 2)
-    values = v_pool[layer].view(nb, row).index_select(0, blocks).view(b, width * bs, h, d).transpose(1, 2)
-    mask = torch.arange(width * bs, device=q.device)[None, :] < lengths[:, None]
-    out = F.scaled_dot_product_attention(queries[:, :, None], keys, values, attn_mask=mask[:, None, None, :])
-    return out[:, :, 0].transpose(0, 1)[None]
+    k_pool[layer].view(nb * bs, h, d).index_copy_(0, slots, k[0].transpose(0, 1))
+    v_pool[layer].view(nb * bs, h, d).index_copy_(0, slots, v[0].transpose(0, 1))
+    if trim:
+        tables = tables[:, : -(-int(lengths.max()) // bs)]
+    out = DECODE_ATTENTION[backend](q[0].transpose(0, 1), k_pool[layer], v_pool[layer], tables, lengths)
+    return out.transpose(0, 1)[None]
 
 
 # The same function as one opaque operator, for torch.compile: traced, the trimmed width would
@@ -74,9 +69,19 @@ def _(q, k, v, k_pool, v_pool, layer, slots, tables, lengths, trim, backend):  #
     return torch.empty_like(q)
 
 
+def decode_backend(kernels: AttentionKernels | None) -> str:
+    """The :data:`DECODE_ATTENTION` name of ``kernels`` (registered now, outside any traced
+    code), or of the gather when there are none."""
+    if kernels is None:
+        return "torch"
+    DECODE_ATTENTION[kernels.name] = kernels.decode
+    return kernels.name
+
+
 class PaddedDecodeAttention:
     """The ``cache`` a captured decode step hands the model: every layer's attention through
-    :func:`padded_decode_attention`, over static buffers the runner refills each step."""
+    :func:`padded_decode_attention`, over static buffers the runner refills each step, by the
+    :data:`DECODE_ATTENTION` named ``backend``."""
 
     def __init__(self, pool: PagedKVPool, slots: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
                  trim: bool, backend: str) -> None:

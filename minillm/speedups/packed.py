@@ -181,14 +181,6 @@ class PackedTokenEmbedding(TokenEmbedding):
         return packed_linear(hidden, self.weight, None)
 
 
-def packed_bytes(model: nn.Module) -> int:
-    """Bytes of the packed copies ``model``'s layers multiply through, each copy once. oneDNN's
-    blocked tensors are opaque (no storage to ask), so each is counted as the weight it was
-    made from: the same numbers, reordered."""
-    weights = {_key(m.weight): m.weight for m in model.modules() if isinstance(m, (PackedLinear, PackedTokenEmbedding))}
-    return sum(w.numel() * w.element_size() for key, w in weights.items() if key in _PACKED)
-
-
 def packing_unsupported(model: nn.Module) -> str | None:
     """Why ``model`` cannot have packed weights, or None if it can."""
     if not isinstance(model, GPT) or getattr(model, "world_size", 1) != 1:

@@ -217,6 +217,6 @@ def generate_speculative(
         for t in emitted:
             new.append(t)
             tokens.append(t)
-            if t == stop_token:
+            if params.finish_reason(t, len(new), stop_token):
                 return SpeculativeOutput(new, stats)
     return SpeculativeOutput(new, stats)

@@ -1,0 +1,145 @@
+"""Logits processors: what a request asks of its row of a step's logits beyond plain sampling.
+
+Between the forward pass and the sampler, the runner calls :func:`process_` once a step. It
+hands each processor in :data:`PROCESSORS`, in this order, the rows whose requests ask for it:
+
+1. :class:`Logprobs` copies its rows as the model left them, and afterwards scores the tokens
+   sampled from the shaped rows (:mod:`minillm.decoding.logprobs`, vLLM's raw logprobs);
+2. :class:`Penalties` adjusts its rows: penalties, biases, ``min_tokens``
+   (:mod:`minillm.decoding.penalties`);
+3. :class:`GrammarMask` masks its rows to what their schemas allow, last, so the mask wins over
+   any adjustment (:mod:`minillm.decoding.structured`).
+
+A prompt's logprobs, scored during its prefill, go through the same scoring as a sampled
+token's (:func:`prompt_logprobs`).
+
+Which rows ask is plain Python over each request's settings, and a processor no row asks for is
+never called: a batch of plain requests does no tensor work here at all, and with no row shaped
+the argmax a captured step computed already still answers its greedy rows. vLLM's logits
+processors are the model; theirs also carry state from step to step, where ours read it from
+the request (its tokens so far, its grammar's position).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from minillm.decoding.logprobs import TokenLogprobs, token_logprobs
+from minillm.decoding.penalties import adjust_logits_
+from minillm.decoding.sampling import SamplingParams
+from minillm.decoding.structured import TokenGrammar, mask_logits_, token_bias
+
+# What a processor that reports returns: from the step's sampled tokens, one report per row
+# that asked.
+Report = Callable[[torch.Tensor], list[TokenLogprobs]]
+
+
+class Row(Protocol):
+    """What a processor reads of one request (the engine's ``Sequence`` is one)."""
+
+    params: SamplingParams
+    token_ids: list[int]
+    prompt_len: int
+    eos_token_id: int | None
+    grammar: TokenGrammar | None
+
+    @property
+    def output_ids(self) -> list[int]: ...
+
+
+class LogitsProcessor(Protocol):
+    """One thing a request may ask of its row. ``shapes``: whether it changes what the sampler
+    sees (``False``: it only reads the rows)."""
+
+    shapes: bool
+
+    def asks(self, row: Row) -> bool:
+        """Whether ``row`` asks for it: its settings only, no tensor work."""
+        ...
+
+    def apply_(self, logits: torch.Tensor, rows: list[int], asking: list[Row]) -> Report | None:
+        """Process ``logits[rows]``, the rows of ``asking``, in place; a processor that reports
+        on the sampled tokens returns how."""
+        ...
+
+
+class Logprobs:
+    """``logprobs``: the sampled token's log-probability and its top alternatives, from the raw row."""
+
+    shapes = False
+
+    def asks(self, row: Row) -> bool:
+        return row.params.logprobs is not None
+
+    def apply_(self, logits: torch.Tensor, rows: list[int], asking: list[Row]) -> Report:
+        raw = logits[rows]  # a copy: the processors after this one change logits
+        return lambda tokens: token_logprobs(raw, tokens[rows], [row.params.logprobs for row in asking])
+
+
+class Penalties:
+    """Presence, frequency and repetition penalties, logit biases and ``min_tokens``."""
+
+    shapes = True
+
+    def asks(self, row: Row) -> bool:
+        return row.params.adjusts
+
+    def apply_(self, logits: torch.Tensor, rows: list[int], asking: list[Row]) -> None:
+        adjust_logits_(logits, rows, [r.params for r in asking], [r.token_ids[: r.prompt_len] for r in asking],
+                       [r.output_ids for r in asking], [r.eos_token_id for r in asking])
+
+
+class GrammarMask:
+    """A schema's grammar: every token that could not continue valid JSON goes to ``-inf``."""
+
+    shapes = True
+
+    def asks(self, row: Row) -> bool:
+        return row.grammar is not None
+
+    def apply_(self, logits: torch.Tensor, rows: list[int], asking: list[Row]) -> None:
+        mask_logits_(logits, rows, token_bias([r.grammar for r in asking], logits.shape[1], logits.device))
+
+
+PROCESSORS: tuple[LogitsProcessor, ...] = (Logprobs(), Penalties(), GrammarMask())
+
+
+@dataclass
+class Processed:
+    """What :func:`process_` did to a step's logits: whether it changed any row, and the reports
+    still to make on the tokens sampled from them (each with the rows it covers)."""
+
+    shaped: bool = False
+    reports: list[tuple[list[int], Report]] = field(default_factory=list)
+
+    def logprobs(self, tokens: torch.Tensor) -> list[list[TokenLogprobs] | None]:
+        """For each row, its sampled token ``tokens[row]`` scored, or ``None`` if not asked."""
+        scored: list[list[TokenLogprobs] | None] = [None] * len(tokens)
+        for rows, report in self.reports:
+            for row, entry in zip(rows, report(tokens)):
+                scored[row] = [entry]
+        return scored
+
+
+def process_(rows: list[Row], logits: torch.Tensor) -> Processed:
+    """Run every processor of :data:`PROCESSORS`, in order, on the rows of ``logits`` (``[n,
+    vocab]``, float, one row per request in ``rows``) that ask for it, in place."""
+    done = Processed()
+    for processor in PROCESSORS:
+        asking = [i for i, row in enumerate(rows) if processor.asks(row)]
+        if not asking:
+            continue  # nobody asks: no tensor work
+        report = processor.apply_(logits, asking, [rows[i] for i in asking])
+        done.shaped |= processor.shapes
+        if report is not None:
+            done.reports.append((asking, report))
+    return done
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], row: Row) -> list[TokenLogprobs]:
+    """``row``'s prompt tokens ``targets`` scored from the raw ``logits`` rows that predicted
+    them, as :class:`Logprobs` scores a sampled token, with ``prompt_logprobs`` alternatives."""
+    return token_logprobs(logits, targets, [row.params.prompt_logprobs] * len(targets))
