@@ -3,9 +3,8 @@ a trained ``cpu`` model, training it on first use, then show what it writes."""
 
 from __future__ import annotations
 
-from minillm.train.trainer import load_or_train
 from minillm.machine.doctor import run_banner
-from minillm.train.trainer import sample
+from minillm.train.trainer import load_or_train, sample
 
 
 def main() -> int:

@@ -45,23 +45,18 @@ def cache_dir(*parts: str) -> Path:
     return path
 
 
-def checkpoints_dir() -> Path:
-    """Where trained weights are kept (``python -m minillm.train`` writes here by default).
-
-    QUICK runs keep theirs apart, in ``checkpoints/quick``: a 30-step model trained by a test
-    run must never become the model that ``make serve`` or a full notebook run picks up.
-    """
-    path = home() / "checkpoints" / ("quick" if quick() else "")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 CHECKPOINT_NAME = "ckpt.pt"
 
 
 def preset_dir(preset: str) -> Path:
-    """Where ``python -m minillm.train --preset NAME`` writes by default."""
-    return checkpoints_dir() / preset
+    """Where ``python -m minillm.train --preset NAME`` writes by default: ``checkpoints/NAME``.
+
+    QUICK runs keep theirs apart, in ``checkpoints/quick``: a 30-step model trained by a test
+    run must never become the model that ``make serve`` or a full notebook run picks up.
+    """
+    checkpoints = home() / "checkpoints" / ("quick" if quick() else "")
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    return checkpoints / preset
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -1,17 +1,11 @@
 """Corpora and token streams: from stories to the ``(x, y)`` batches a model trains on.
 
-A corpus comes from one of three sources:
-
-- ``tinystories``: ``roneneldan/TinyStories`` (train and validation) through ``datasets``;
-- a local ``.txt`` (stories separated by ``<|endoftext|>``, else by blank lines) or ``.jsonl``
-  (one ``{"text": ...}`` per line) file, read through ``datasets`` too;
-- ``synthetic``: stories written by :mod:`minillm.data.synthetic`, deterministic from a seed.
-
-``auto`` takes TinyStories when the hub answers (or it is already cached here) and the
-synthetic stories otherwise, and says which and why. Either way the text is tokenized once
-into ``uint16`` files (GPT-2's 50,257 ids fit in 16 bits), one per split, with
-``<|endoftext|>`` before every story, and read back through ``np.memmap``: the operating
-system pages in only what a batch touches, so a corpus larger than memory costs nothing.
+A corpus is TinyStories (through ``datasets``), a local ``.txt`` or ``.jsonl`` file, or the
+stories of :mod:`minillm.data.synthetic`. ``auto`` takes TinyStories when the hub answers (or
+it is already cached here) and the synthetic stories otherwise, and says which and why.
+Either way the text is tokenized once into ``uint16`` files (GPT-2's 50,257 ids fit in 16
+bits), one per split, with ``<|endoftext|>`` before every story, and read back through
+``np.memmap``: the OS pages in only what a batch touches, so a corpus larger than memory costs nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +18,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -32,7 +27,7 @@ import torch
 
 from minillm.settings import cache_dir, quick
 from minillm.data.synthetic import generate_stories
-from minillm.data.tokenizer import get_tokenizer
+from minillm.data.tokenizer import ENDOFTEXT, get_tokenizer
 
 SPLITS = ("train", "validation")
 TINYSTORIES = "roneneldan/TinyStories"
@@ -121,7 +116,6 @@ def prepare_corpus(
 
 
 def _prepare_auto(max_stories: int | None, seed: int, rebuild: bool, log) -> Corpus:
-    """TinyStories if it can be had (the hub answers, or a copy is cached); else synthetic."""
     try:
         return _build(TinyStoriesSource(), max_stories, seed, rebuild, log, reason="auto: TinyStories was available")
     except CorpusUnavailable:
@@ -231,7 +225,7 @@ class FileSource:
         fingerprint = hashlib.sha1(f"{self.path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
         self.key = f"file-{self.path.stem}-{fingerprint}"
 
-    def all_stories(self) -> Iterator[str]:
+    def stories(self, split: str, limit: int | None) -> Iterator[str]:
         from datasets import load_dataset
 
         kw = dict(data_files=str(self.path), split="train", cache_dir=str(cache_dir("huggingface")))
@@ -243,20 +237,12 @@ class FileSource:
         else:
             (whole,) = load_dataset("text", sample_by="document", **kw)["text"]
             texts = split_stories(whole)
-        return (t.strip() for t in texts if t and t.strip())
-
-    def stories(self, split: str, limit: int | None) -> Iterator[str]:
-        return _take_split(self.all_stories(), split, limit)
+        return _take_split((t.strip() for t in texts if t and t.strip()), split, limit)
 
 
 def split_stories(text: str) -> list[str]:
     """A text file's stories: separated by ``<|endoftext|>`` if it has any, else by blank lines."""
-    from minillm.data.tokenizer import ENDOFTEXT
-
-    if ENDOFTEXT in text:
-        parts = text.split(ENDOFTEXT)
-    else:
-        parts = [p for p in text.replace("\r\n", "\n").split("\n\n")]
+    parts = text.split(ENDOFTEXT) if ENDOFTEXT in text else text.replace("\r\n", "\n").split("\n\n")
     return [p.strip() for p in parts if p.strip()]
 
 
@@ -279,23 +265,14 @@ def _take_split(stories: Iterable[str], split: str, limit: int | None) -> Iterat
 # ----------------------------------------------------------------------------- tokenizing
 
 
-def _cache_dir_for(src, max_stories: int | None) -> Path:
-    return cache_dir("data", f"{src.key}-{'all' if max_stories is None else max_stories}")
-
-
-def _load(directory: Path) -> Corpus:
-    return Corpus(directory, json.loads((directory / "meta.json").read_text()))
-
-
 def _build(src, max_stories: int | None, seed: int, rebuild: bool, log, reason: str) -> Corpus:
     if max_stories is None:
         max_stories = default_max_stories(src.name)
     if max_stories is not None and max_stories < 1:
         raise ValueError(f"max_stories must be at least 1, not {max_stories}")
-    directory = _cache_dir_for(src, max_stories)
+    directory = cache_dir("data", f"{src.key}-{'all' if max_stories is None else max_stories}")
     if (directory / "meta.json").is_file() and not rebuild:
-        corpus = _load(directory)
-        return Corpus(directory, {**corpus.meta, "reason": reason})
+        return Corpus(directory, {**json.loads((directory / "meta.json").read_text()), "reason": reason})
     start = time.perf_counter()
     limits = {"train": max_stories, "validation": None if max_stories is None else max(max_stories // 20, 1)}
     splits = {}
@@ -338,13 +315,8 @@ def write_token_file(stories: Iterable[str], path: Path, chunk: int = 2048) -> d
 
 
 def _chunks(items: Iterable[str], size: int) -> Iterator[list[str]]:
-    batch: list[str] = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
+    items = iter(items)
+    while batch := list(islice(items, size)):
         yield batch
 
 
@@ -415,12 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, CorpusUnavailable, ValueError) as err:
         raise UsageError(f"--data {args.data}: {err}") from None
     print(corpus.summary())
-    tokens = corpus.tokens("validation")
-    tok = get_tokenizer()
-    eots = np.flatnonzero(np.asarray(tokens) == tok.eot)
-    for i in range(min(args.show, len(eots))):
-        end = eots[i + 1] if i + 1 < len(eots) else len(tokens)
-        print(f"\n--- validation story {i + 1} ---\n{tok.decode(tokens[eots[i] + 1:end].tolist())}")
+    tokens, tok = corpus.tokens("validation"), get_tokenizer()
+    bounds = [*np.flatnonzero(np.asarray(tokens) == tok.eot), len(tokens)]  # each story's <eot>, then the end
+    for i, (start, end) in enumerate(zip(bounds[:args.show], bounds[1:])):
+        print(f"\n--- validation story {i + 1} ---\n{tok.decode(tokens[start + 1:end].tolist())}")
     return 0
 
 

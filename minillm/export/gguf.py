@@ -2,10 +2,8 @@
 
 A GGUF file is a list of key-value metadata followed by named tensors. llama.cpp already has
 GPT-2's architecture (``src/models/gpt2.cpp``), so our model needs only the names and keys it
-reads: ``general.architecture = "gpt2"``, the shape under ``gpt2.*``, the tokenizer under
-``tokenizer.ggml.*`` and the tensors ``token_embd``, ``position_embd``, ``blk.N.*`` and
-``output_norm``. There is no ``output.weight``: llama.cpp reuses ``token_embd`` when the output
-matrix is absent, which is exactly our tied embedding.
+reads. There is no ``output.weight``: llama.cpp reuses ``token_embd`` when the output matrix is
+absent, which is exactly our tied embedding.
 
 No transposes either, unlike the Hugging Face export. ggml lists a matrix's dimensions fastest
 first, so the ``{n_embd, 3 * n_embd}`` that llama.cpp asks for ``attn_qkv`` is, in row-major
@@ -23,32 +21,13 @@ from pathlib import Path
 
 import torch
 
-from minillm.export.hf import gpt2_vocab
+from minillm.export.hf import gpt2_vocab, tensor_names
 from minillm.model.gpt import GPT
 from minillm.data.tokenizer import EOT_ID, N_VOCAB
 
-# (our suffix, llama.cpp's suffix) for each tensor of block i, then the ones outside the blocks
-_BLOCK = [
-    ("ln1.weight", "attn_norm.weight"), ("ln1.bias", "attn_norm.bias"),
-    ("attn.qkv.weight", "attn_qkv.weight"), ("attn.qkv.bias", "attn_qkv.bias"),
-    ("attn.proj.weight", "attn_output.weight"), ("attn.proj.bias", "attn_output.bias"),
-    ("ln2.weight", "ffn_norm.weight"), ("ln2.bias", "ffn_norm.bias"),
-    ("mlp.fc.weight", "ffn_up.weight"), ("mlp.fc.bias", "ffn_up.bias"),
-    ("mlp.proj.weight", "ffn_down.weight"), ("mlp.proj.bias", "ffn_down.bias"),
-]
-_TOP = [("tok_emb.weight", "token_embd.weight"), ("pos_emb.weight", "position_embd.weight"),
-        ("ln_f.weight", "output_norm.weight"), ("ln_f.bias", "output_norm.bias")]
 _KEEP_F32 = {"position_embd.weight"}  # as llama.cpp's converter: too few rows to matter, and exact
 _DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 Q8_0_BLOCK = 32  # q8_0 stores each run of 32 values as 32 int8s and one f16 scale
-
-
-def gguf_name_map(n_layers: int) -> list[tuple[str, str]]:
-    """Every (our state_dict name, GGUF tensor name) pair, in the order they are written."""
-    names = list(_TOP)
-    for i in range(n_layers):
-        names += [(f"blocks.{i}.{ours}", f"blk.{i}.{theirs}") for ours, theirs in _BLOCK]
-    return names
 
 
 def _import_gguf():
@@ -84,8 +63,8 @@ def export_gguf(model: GPT, path: str | Path, dtype: str | None = None) -> Path:
     if dtype == "q8_0" and cfg.d_model % Q8_0_BLOCK:
         raise ValueError(f"q8_0 needs d_model divisible by {Q8_0_BLOCK}, not {cfg.d_model}")
     state = model.state_dict()
-    names = gguf_name_map(cfg.n_layers)
-    if set(state) != {ours for ours, _ in names} or not all(t.is_floating_point() for t in state.values()):
+    names = tensor_names(cfg.n_layers)
+    if set(state) != {ours for ours, _, _ in names} or not all(t.is_floating_point() for t in state.values()):
         raise ValueError("only a plain floating-point GPT can be exported to GGUF (not a quantized one)")
 
     path = Path(path)
@@ -113,7 +92,7 @@ def export_gguf(model: GPT, path: str | Path, dtype: str | None = None) -> Path:
     writer.add_eos_token_id(EOT_ID)
     writer.add_add_bos_token(False)  # our prompts are the ids as given: nothing is prepended
 
-    for ours, theirs in names:
+    for ours, _, theirs in names:
         data = state[ours].detach().float().cpu().numpy()
         qtype = gguf.GGMLQuantizationType.F32 if data.ndim == 1 or theirs in _KEEP_F32 else types[dtype]
         writer.add_tensor(theirs, gguf.quants.quantize(data, qtype), raw_dtype=qtype)

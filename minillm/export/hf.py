@@ -28,28 +28,37 @@ from minillm.model.config import ModelConfig
 from minillm.model.gpt import GPT
 from minillm.data.tokenizer import ENDOFTEXT, EOT_ID, N_VOCAB, get_tokenizer
 
-# (our suffix, HF suffix, is a Conv1D weight) for each tensor of block i
+# (our name, Hugging Face's, llama.cpp's GGUF name) for each tensor of block i, then for the others
 _BLOCK = [
-    ("ln1.weight", "ln_1.weight", False), ("ln1.bias", "ln_1.bias", False),
-    ("attn.qkv.weight", "attn.c_attn.weight", True), ("attn.qkv.bias", "attn.c_attn.bias", False),
-    ("attn.proj.weight", "attn.c_proj.weight", True), ("attn.proj.bias", "attn.c_proj.bias", False),
-    ("ln2.weight", "ln_2.weight", False), ("ln2.bias", "ln_2.bias", False),
-    ("mlp.fc.weight", "mlp.c_fc.weight", True), ("mlp.fc.bias", "mlp.c_fc.bias", False),
-    ("mlp.proj.weight", "mlp.c_proj.weight", True), ("mlp.proj.bias", "mlp.c_proj.bias", False),
+    ("ln1.weight", "ln_1.weight", "attn_norm.weight"), ("ln1.bias", "ln_1.bias", "attn_norm.bias"),
+    ("attn.qkv.weight", "attn.c_attn.weight", "attn_qkv.weight"),
+    ("attn.qkv.bias", "attn.c_attn.bias", "attn_qkv.bias"),
+    ("attn.proj.weight", "attn.c_proj.weight", "attn_output.weight"),
+    ("attn.proj.bias", "attn.c_proj.bias", "attn_output.bias"),
+    ("ln2.weight", "ln_2.weight", "ffn_norm.weight"), ("ln2.bias", "ln_2.bias", "ffn_norm.bias"),
+    ("mlp.fc.weight", "mlp.c_fc.weight", "ffn_up.weight"), ("mlp.fc.bias", "mlp.c_fc.bias", "ffn_up.bias"),
+    ("mlp.proj.weight", "mlp.c_proj.weight", "ffn_down.weight"),
+    ("mlp.proj.bias", "mlp.c_proj.bias", "ffn_down.bias"),
 ]
-_TOP = [("tok_emb.weight", "wte.weight"), ("pos_emb.weight", "wpe.weight"),
-        ("ln_f.weight", "ln_f.weight"), ("ln_f.bias", "ln_f.bias")]
+_TOP = [("tok_emb.weight", "wte.weight", "token_embd.weight"),
+        ("pos_emb.weight", "wpe.weight", "position_embd.weight"),
+        ("ln_f.weight", "ln_f.weight", "output_norm.weight"), ("ln_f.bias", "ln_f.bias", "output_norm.bias")]
 # causal-mask buffers that older transformers versions saved with the weights
 _BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
 _ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both are GELU's tanh approximation
 
 
-def _name_map(n_layers: int) -> list[tuple[str, str, bool]]:
-    """Every (our name, HF name without ``transformer.``, transpose?) triple."""
-    names = [(ours, hf, False) for ours, hf in _TOP]
+def tensor_names(n_layers: int) -> list[tuple[str, str, str]]:
+    """Every (our state_dict name, HF name without ``transformer.``, GGUF name), in GGUF's order."""
+    names = list(_TOP)
     for i in range(n_layers):
-        names += [(f"blocks.{i}.{ours}", f"h.{i}.{hf}", t) for ours, hf, t in _BLOCK]
+        names += [(f"blocks.{i}.{ours}", f"h.{i}.{hf}", f"blk.{i}.{gg}") for ours, hf, gg in _BLOCK]
     return names
+
+
+def _conv1d(hf: str, tensor: torch.Tensor) -> torch.Tensor:
+    """GPT-2's ``Conv1D`` layout for a matrix of a block (every one is a linear layer), else as is."""
+    return tensor.t() if hf.startswith("h.") and tensor.dim() == 2 else tensor
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
@@ -72,10 +81,8 @@ def export_hf(model: GPT, directory: str | Path) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     ours = model.state_dict()
-    tensors = {
-        f"transformer.{hf}": (ours[name].t() if t else ours[name]).detach().cpu().contiguous()
-        for name, hf, t in _name_map(model.cfg.n_layers)
-    }
+    tensors = {f"transformer.{hf}": _conv1d(hf, ours[name]).detach().cpu().contiguous()
+               for name, hf, _ in tensor_names(model.cfg.n_layers)}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     config = hf_config(model.cfg, model.dtype)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -220,12 +227,12 @@ def load_hf(directory: str | Path) -> GPT:
     tensors = {k.removeprefix("transformer."): v for k, v in raw.items()}
     tensors = {k: v for k, v in tensors.items() if not _BUFFER.fullmatch(k)}
     _check_head(tensors, config.get("tie_word_embeddings", True))
-    names = _name_map(cfg.n_layers)
+    names = tensor_names(cfg.n_layers)
     missing = sorted(hf for _, hf, _ in names if hf not in tensors)
     unexpected = sorted(set(tensors) - {hf for _, hf, _ in names})
     if missing or unexpected:
         raise ValueError(f"cannot load: missing tensors {missing}, unexpected tensors {unexpected}")
-    state = {ours: tensors[hf].t() if t else tensors[hf] for ours, hf, t in names}
+    state = {ours: _conv1d(hf, tensors[hf]) for ours, hf, _ in names}
     model = GPT(cfg).to(tensors["wte.weight"].dtype)
     try:
         model.load_state_dict(state)  # strict, and shapes must match the config

@@ -70,7 +70,7 @@ def default_device() -> torch.device:
 
 def device_name(device: torch.device | str | None = None) -> str:
     """A person-readable name: the GPU's model, or the CPU's with its thread count."""
-    device = torch.device(device) if device is not None else default_device()
+    device = _resolve(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type == "mps":
@@ -319,11 +319,10 @@ def first_order_batch(ridge: float, dtype: str) -> float:
 def measure_machine(
     device: torch.device | str | None = None, dtypes: Sequence[str] = tuple(DTYPES), small: bool | None = None
 ) -> MachineProfile:
-    """Measure bandwidth (copy and reduce) and matmul FLOP/s for each dtype the device runs.
+    """Measure bandwidth (copy and reduce) and the matmul peak of each dtype the device runs.
 
-    Buffers of 1 GiB leave every cache, so they measure main memory. A dtype's peak is the
-    best of two matmul sizes, because libraries tile sizes differently and either can be the
-    faster one. ``small`` (default: ``MINILLM_QUICK=1``) shrinks everything so it takes a second.
+    Buffers of 1 GiB leave every cache, so they measure main memory. ``small`` (default:
+    ``MINILLM_QUICK=1``) shrinks everything so it takes a second.
     """
     device = _resolve(device)
     small = quick() if small is None else small

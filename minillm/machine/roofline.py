@@ -235,12 +235,6 @@ def decode_roof(profile: MachineProfile, cfg: ModelConfig, dtype: str) -> Device
 COLORS = {"fp32": "tab:blue", "bf16": "tab:orange", "fp16": "tab:green"}
 
 
-def _intensity_range(spec: DeviceSpec, dtypes: Sequence[str], points: Sequence[DecodePoint]) -> np.ndarray:
-    known = [spec.ridge(d) for d in dtypes] + [p.intensity for p in points]
-    lo, hi = min([0.25, *known]) / 2, max(known) * 4
-    return np.logspace(math.log10(lo), math.log10(hi), 200)
-
-
 def plot_roofline(
     spec: DeviceSpec,
     dtypes: Sequence[str],
@@ -257,7 +251,8 @@ def plot_roofline(
 
     fig = Figure(figsize=(7.5, 4.8), layout="constrained")
     ax = fig.subplots()
-    xs = _intensity_range(spec, dtypes, points)
+    known = [spec.ridge(d) for d in dtypes] + [p.intensity for p in points]
+    xs = np.logspace(math.log10(min([0.25, *known]) / 2), math.log10(max(known) * 4), 200)
     for label, bandwidth in (slopes or {}).items():
         ax.plot(xs, bandwidth * xs, ls="--", color="grey", lw=1, label=label)
     for dtype in dtypes:
@@ -294,12 +289,11 @@ def plot_intensity_vs_batch(
     fig = Figure(figsize=(7.5, 4.8), layout="constrained")
     ax = fig.subplots()
     wb, ridge = dtype_bytes(dtype), spec.ridge(dtype)
-    curves = [("no KV cache", None, 0)] + [(f"context {c}", c, None) for c in contexts]
+    curves = [("no KV cache", 0, 0)] + [(f"context {c}", c, None) for c in contexts]
     for label, context, kv in curves:
-        ctx = context or 0
-        ys = [decode_step_cost(cfg, b, ctx, weight_bytes=wb, kv_bytes=kv).intensity for b in batches]
+        ys = [decode_step_cost(cfg, b, context, weight_bytes=wb, kv_bytes=kv).intensity for b in batches]
         line, = ax.plot(batches, ys, marker=".", ls="--" if kv == 0 else "-", label=label)
-        crossing = ridge_batch(cfg, ctx, spec, dtype, kv_bytes=kv)
+        crossing = ridge_batch(cfg, context, spec, dtype, kv_bytes=kv)
         if crossing <= max(batches):
             ax.plot([crossing], [ridge], marker="o", color=line.get_color())
     ax.axhline(ridge, color="black", lw=1)

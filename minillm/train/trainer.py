@@ -2,10 +2,7 @@
 
 The loop is the standard one (nanoGPT's shape): sample windows of the token stream, predict
 each next token, average the cross-entropy, backpropagate, clip the gradient, and take an
-AdamW step whose learning rate warms up linearly and then decays along a cosine. Weight decay
-applies to matrices only (biases and LayerNorm gains are left alone). On CPUs with fast bf16
-matrix units, and on GPUs, the forward and backward run under bf16 autocast while the weights
-and optimizer stay in fp32.
+AdamW step on a warm-up-then-cosine schedule, under autocast where it pays.
 
 ``python -m minillm.train --preset cpu`` trains the book's model; under ``torchrun`` the same
 command trains with DistributedDataParallel, each rank reading its own shard of the data.
@@ -18,7 +15,6 @@ import functools
 import json
 import math
 import os
-import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -31,7 +27,7 @@ from minillm.model.checkpoint import CHECKPOINT_NAME, load_model, load_state, pr
 from minillm.model.config import ModelConfig, get_preset
 from minillm.data.corpus import BatchSampler, Corpus, prepare_corpus
 from minillm.decoding.generate import generate_naive
-from minillm.machine.hardware import default_device, matmul_peak, measure_matmul_flops
+from minillm.machine.hardware import default_device, dtype_name, matmul_peak, measure_matmul_flops, median_seconds
 from minillm.model.gpt import GPT, training_flops_per_token
 from minillm.settings import quick
 from minillm.data.tokenizer import get_tokenizer
@@ -40,7 +36,7 @@ from minillm.data.tokenizer import get_tokenizer
 # cpu: 1,100 steps of 4 x 256 tokens (1.13M tokens). Per token a batch of 4 learns more than one
 # of 8 (validation loss 0.523 vs 0.540 after 1.02M tokens; a batch of 2 gave 0.540, a peak lr of
 # 2e-3 0.536, of 5e-3 0.569), and the fused step is as fast per token at either size; 8 x 600
-# reached 0.511 with 9% more tokens. Measured on a 2-core Xeon, issue 25's closing note.
+# reached 0.511 with 9% more tokens. Measured on a 2-core Xeon.
 PRESET_TRAINING: dict[str, dict] = {
     "tiny": dict(batch_size=8, max_steps=60, lr=2e-3, warmup=10, eval_every=30),
     "cpu": dict(batch_size=4, max_steps=1100, lr=3e-3, warmup=30, eval_every=200),
@@ -272,7 +268,7 @@ def _train(cfg: TrainConfig, device: torch.device, dist: Dist) -> dict:
     # (fp32 without autocast, the autocast dtype under it), and the bar names it beside every figure
     matmul_dtype = amp_dtype or torch.float32
     peak = matmul_peak(device, matmul_dtype) * dist.world_size
-    peak_name = _SHORT_DTYPE[matmul_dtype]
+    peak_name = dtype_name(matmul_dtype)
     bar = _progress(cfg, dist, step)
     if bar is not None:
         bar.write(f"mfu = model FLOPs per second / this machine's measured {peak_name} "
@@ -292,15 +288,12 @@ def _train(cfg: TrainConfig, device: torch.device, dist: Dist) -> dict:
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{last['tok_s']:,.0f}", mfu=f"{last['mfu']:.0%} of {peak_name} peak")
-        checkpoint_now = step % cfg.eval_every == 0 or step == stop
-        if checkpoint_now:
-            if dist.main:
-                last |= evaluate(model, corpus, cfg.seq_len, cfg.batch_size, cfg.eval_batches, amp)
-                last["sample"] = sample(model, seed=step)
-                _log(bar, last)
         if dist.main:
             history.append(last)
-            if checkpoint_now:
+            if step % cfg.eval_every == 0 or step == stop:
+                last.update(evaluate(model, corpus, cfg.seq_len, cfg.batch_size, cfg.eval_batches, amp))
+                last["sample"] = sample(model, seed=step)
+                _log(bar, last)
                 _save(out, model, optimizer, step, cfg, model_cfg, corpus, history)
     if bar is not None:
         bar.close()
@@ -381,17 +374,9 @@ def measure_throughput(
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     x = torch.randint(model_cfg.vocab_size, (batch_size, seq_len + 1), device=device)
     batch = [(x[:, :-1], x[:, 1:])]
-    times = []
-    for _ in range(steps + 1):
-        start = clock()
-        train_step(runner, optimizer, scaler, amp, batch, cfg.grad_clip)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(clock() - start)
-    return batch_size * seq_len / statistics.median(times[1:])
-
-
-_SHORT_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    seconds = median_seconds(lambda: train_step(runner, optimizer, scaler, amp, batch, cfg.grad_clip),
+                             device, steps, clock=clock)
+    return batch_size * seq_len / seconds
 
 
 def _progress(cfg: TrainConfig, dist: Dist, step: int):
