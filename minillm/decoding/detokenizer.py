@@ -1,17 +1,9 @@
 """Token ids to text, one token at a time, safe to stream.
 
-Two things make streaming text harder than ``tokenizer.decode(ids)`` at the end:
-
-1. A GPT-2 token is a run of *bytes*, not of characters. An emoji or a CJK character is
-   three or four UTF-8 bytes, and BPE often splits them across tokens: ``"🦙"`` is the three
-   tokens ``b"\\xf0\\x9f"``, ``b"\\xa6"``, ``b"\\x99"``. Decoding each token alone would show a
-   reader three replacement characters. So bytes that begin a character but do not finish it
-   are held back until the token that completes them arrives.
-2. A stop string (``"\\n\\n"``, ``"The End"``) may arrive split across tokens too, and the text
-   returned must end just before it. So text that could be the beginning of a stop string is
-   held back until the next tokens show whether it is one.
-
-Everything else is released at once, so a client sees each word as soon as it is certain.
+Two things are held back: bytes that begin a UTF-8 character but do not finish it (BPE splits
+``"🦙"`` into three tokens, which alone would show three replacement characters), and text
+that could begin a stop string (which may arrive split across tokens, and the text must end
+just before it). Everything else is released at once.
 """
 
 from __future__ import annotations
@@ -25,21 +17,11 @@ from minillm.data.tokenizer import Tokenizer
 class IncrementalDetokenizer:
     """One request's generated text, built token by token.
 
-    ``add(token_id)`` returns the text that became safe to show; ``flush()`` at the end
-    returns whatever was held. Their concatenation is the same as ``tokenizer.decode(ids)``
-    when no stop string matched, and that text cut just before the first stop string
-    otherwise. It is not kept here: whoever reads the pieces keeps what it needs (a stream
-    sends them on and keeps nothing). The end-of-text token is a control token, not text,
-    and adds nothing.
-
-    When a stop string completes, ``stopped`` becomes true and ``stop_reason`` holds it;
-    the request is finished, so a further ``add`` raises ``RuntimeError`` (as it does after
-    ``flush``), while ``flush`` may be called again and returns ``""``.
-
-    Among stop strings, the first one *completed* while reading the text wins, as it would
-    in a stream that arrived one character at a time; of two completed by the same
-    character, the one starting earlier wins. So the outcome never depends on how the text
-    happened to be split into tokens.
+    ``add(token_id)`` returns the text that became safe to show, ``flush()`` what was held:
+    together, ``tokenizer.decode(ids)`` cut just before the first stop string. The text is not
+    kept here (a stream sends it on). When a stop string completes, ``stop_reason`` holds it
+    and a further ``add`` raises. The stop string *completed* first wins (of two completed by
+    one character, the earlier-starting), so the outcome never depends on the tokenization.
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: Iterable[str] = ()) -> None:
@@ -80,11 +62,7 @@ class IncrementalDetokenizer:
 
     def _release(self, new_text: str, *, final: bool) -> str:
         """Append ``new_text`` to the held text, cut at a stop string if one completed, and
-        emit all but the tail that could still begin one.
-
-        Only the held text plus the new text need searching: the held tail is no longer than
-        the longest stop string, and any stop string completing now must start inside it.
-        """
+        emit all but the tail that could still begin one (any stop completing now starts in it)."""
         window = self._held + new_text
         held = max((m.feed(new_text) for m in self._matches), default=0)
         match = self._first_stop(window)
@@ -105,16 +83,10 @@ class IncrementalDetokenizer:
         return start, stop
 
 
-
 class _SuffixMatch:
-    """How many leading characters of one stop string the text read so far ends with.
-
-    That is what must be held back: text that a stop string could still complete. Knuth,
-    Morris and Pratt's failure table lets the count advance a character at a time, in
-    amortised constant time, and holds one integer per character of the stop string; testing
-    every suffix against every prefix instead costs the square of the stop's length per token
-    (and, held as a set of prefixes, as much memory).
-    """
+    """How many leading characters of one stop string the text read so far ends with: what
+    must be held back. Knuth, Morris and Pratt's failure table advances it in amortised
+    constant time per character, where testing every suffix costs the stop's length squared."""
 
     def __init__(self, stop: str) -> None:
         self.stop, self.matched = stop, 0

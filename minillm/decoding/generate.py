@@ -1,18 +1,11 @@
 """Generation without an engine: the three teaching baselines of chapters 5-7.
 
-1. :func:`generate_naive` feeds the whole sequence back in for every new token. It recomputes
-   every earlier position's keys and values at every step, so producing ``n`` tokens costs on
-   the order of ``n^2`` token-forwards.
-2. :func:`generate_kv_cache` keeps each layer's keys and values in a :class:`ContiguousKVCache`
-   reserved for the longest sequence it may hold: the prompt is run once (prefill), then each
-   step feeds only the newest token (decode).
-3. :func:`generate_static_batch` runs a fixed batch through one cache, left-padded to the
-   longest prompt, until the longest request is done: what ``generate()`` in common libraries
-   does, and the baseline continuous batching (chapter 7) beats.
-
-All three call the same ``GPT.forward``; they differ only in where keys and values live. With
-greedy decoding they must produce the same tokens, which the tests check; the paged engine
-(``minillm.engine``) is held to the same standard.
+:func:`generate_naive` recomputes the whole sequence for every new token (``n^2``
+token-forwards); :func:`generate_kv_cache` keeps keys and values in a
+:class:`ContiguousKVCache`, one prefill then one token per step; :func:`generate_static_batch`
+runs a left-padded batch until its longest request is done, the baseline continuous batching
+(chapter 7) beats. All call the same ``GPT.forward`` and, greedy, must give the same tokens as
+the paged engine.
 """
 
 from __future__ import annotations
@@ -24,13 +17,9 @@ from minillm.decoding.sampling import SamplingParams, sample
 
 
 class ContiguousKVCache:
-    """Keys and values of ``batch`` sequences, preallocated for ``max_len`` positions each.
-
-    ``k`` and ``v`` are ``[layers, batch, heads, max_len, head_dim]``. Every sequence in the
-    batch advances together (``length`` is shared), so sequences of different lengths are
-    left-padded: ``pad[i]`` leading slots of row ``i`` hold padding that no real query may see.
-    The memory bill is fixed up front, whatever the sequences turn out to need: chapter 6
-    measures it, and chapter 8's paged blocks exist to stop paying for unused slots.
+    """Keys and values of ``batch`` sequences, preallocated for ``max_len`` positions each, a
+    bill fixed up front that chapter 8's paged blocks stop paying. The rows advance together,
+    so shorter ones are left-padded: ``pad[i]`` leading slots of row ``i`` no real query sees.
     """
 
     def __init__(
@@ -96,16 +85,14 @@ def last_logits(
 def choose_token(
     logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
 ) -> int:
-    """One token from one row of logits, by the engine's own sampler: the argmax when
-    ``temperature == 0``, otherwise a draw from ``softmax(logits / temperature)`` cut to the
-    ``top_k`` most likely tokens."""
+    """One token from one row of logits, by the engine's own sampler."""
     params = SamplingParams(max_tokens=1, temperature=temperature, top_k=top_k)
     return int(sample(logits[None], [params], [generator])[0])
 
 
 def check_prompt(model: GPT, prompt: list[int], max_new_tokens: int, *, slide: bool) -> None:
-    """A ``ValueError`` for a prompt these loops cannot continue: an empty one, a negative
-    length, or (unless the loop slides its window) one whose answer would outgrow the context."""
+    """A ``ValueError`` for a prompt these loops cannot continue (unless ``slide``, one whose
+    answer would outgrow the context)."""
     if not prompt:
         raise ValueError("the prompt must hold at least one token (e.g. <|endoftext|>)")
     if max_new_tokens < 0:
@@ -191,13 +178,10 @@ def generate_static_batch(
     stop_token: int | None = None,
     pad_token: int = 0,
 ) -> list[list[int]]:
-    """Greedy generation for a fixed batch, the way static batching works.
-
-    Prompts are left-padded to the longest, so every row's newest token sits in the same
-    column and one ``[batch, 1]`` forward serves them all; each row's positions start at 0 at
-    its first real token. The batch runs until its *longest* request is done: rows that finish
-    early keep occupying their slot (computing tokens nobody wants), and nobody can join
-    mid-way. Returns each prompt's new tokens, cut at its own limit or stop token.
+    """Greedy generation for a fixed batch, the way static batching works: prompts left-padded
+    so one ``[batch, 1]`` forward serves every row, until the *longest* request is done (rows
+    that finish early keep their slot, and nobody joins mid-way). Returns each prompt's new
+    tokens, cut at its own limit or stop token.
     """
     if not prompts:
         return []

@@ -1,14 +1,8 @@
 """What the model thought of each token: log-probabilities, computed in the step that made it.
 
-A client that asks for ``logprobs`` gets, for every position, the log-probability of the
-token that was chosen there and of the model's few most likely alternatives. They are the
-model's own distribution, a float32 log-softmax of the raw logits, before penalties,
-temperature and top-k/top-p change what the sampler draws from (vLLM's default,
-``raw_logprobs``): so they answer "how likely did the model find this text?", the question an
-evaluation harness asks, whatever sampling settings produced the text.
-
-They come from the logits the step computed anyway, never from a second forward pass: the
-cost is one log-softmax and one top-k over the rows that asked, and one transfer to the host.
+They are the raw logits' log-softmax, before penalties, temperature and filters (vLLM's
+``raw_logprobs``): "how likely did the model find this text?", what an evaluation harness
+asks, whatever settings sampled it. They cost no second forward pass.
 """
 
 from __future__ import annotations

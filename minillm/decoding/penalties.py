@@ -1,12 +1,8 @@
 """A request's adjustments to a step's logits: penalties, biases and ``min_tokens``.
 
-The sampler (:mod:`minillm.decoding.sampling`) chooses from logits; these change the logits first, row
-by row, for the rows whose requests ask (:attr:`SamplingParams.adjusts`). A step where no row
-asks never calls :func:`adjust_logits_`, so plain requests pay nothing for the feature. Nothing
-here draws a random number, so a seeded request stays reproducible whatever its neighbours ask.
-
-The order, and each definition, follows vLLM (whose users' requests we want to mean the same
-here) and OpenAI's documentation:
+They change the logits before the sampler, for the rows that ask (:attr:`SamplingParams.adjusts`),
+and draw no random number, so a seeded request stays reproducible. The order and each
+definition follow vLLM and OpenAI's documentation:
 
 1. ``logit_bias``: the bias is added to its token's logit.
 2. ``min_tokens``: while fewer tokens have been generated, the tokens that would end the
@@ -36,14 +32,9 @@ def adjust_logits_(
 ) -> None:
     """Adjust ``logits`` (``[n, vocab]``, float) in place, row ``rows[i]`` for request ``i``.
 
-    Request ``i`` has settings ``params[i]``, prompt ``prompts[i]`` and generated tokens so
-    far ``outputs[i]``; ``eos_token_ids[i]`` is its end-of-text token (``None``: it has none).
-    Rows not listed, and listed rows whose settings adjust nothing, are left as they were.
-
-    Every adjustment touches only the tokens it concerns (a few hundred a row), read and
-    written by index where they lie: a dense pass over the vocabulary per row would cost more
-    than the rest of a decode step (about 1.6 ms a row for GPT-2's 50,257 on a 2-core CPU),
-    and so would copying the rows out and back (about 3 ms for 32).
+    Only the tokens concerned are read and written, by index where they lie: a dense pass over
+    the vocabulary would cost more than the rest of a decode step (about 1.6 ms a row for
+    GPT-2's on a 2-core CPU), and so would copying the rows out and back.
     """
     device = logits.device
     where = torch.tensor(rows, dtype=torch.long, device=device)

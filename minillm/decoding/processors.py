@@ -1,23 +1,11 @@
 """Logits processors: what a request asks of its row of a step's logits beyond plain sampling.
 
-Between the forward pass and the sampler, the runner calls :func:`process_` once a step. It
-hands each processor in :data:`PROCESSORS`, in this order, the rows whose requests ask for it:
-
-1. :class:`Logprobs` copies its rows as the model left them, and afterwards scores the tokens
-   sampled from the shaped rows (:mod:`minillm.decoding.logprobs`, vLLM's raw logprobs);
-2. :class:`Penalties` adjusts its rows: penalties, biases, ``min_tokens``
-   (:mod:`minillm.decoding.penalties`);
-3. :class:`GrammarMask` masks its rows to what their schemas allow, last, so the mask wins over
-   any adjustment (:mod:`minillm.decoding.structured`).
-
-A prompt's logprobs, scored during its prefill, go through the same scoring as a sampled
-token's (:func:`prompt_logprobs`).
-
-Which rows ask is plain Python over each request's settings, and a processor no row asks for is
-never called: a batch of plain requests does no tensor work here at all, and with no row shaped
-the argmax a captured step computed already still answers its greedy rows. vLLM's logits
-processors are the model; theirs also carry state from step to step, where ours read it from
-the request (its tokens so far, its grammar's position).
+Between the forward pass and the sampler, :func:`process_` hands each processor of
+:data:`PROCESSORS`, in order, the rows that ask for it: :class:`Logprobs` copies them raw (vLLM's
+raw logprobs), :class:`Penalties` adjusts them, :class:`GrammarMask` masks them last, so the
+mask wins. A processor no row asks for is never called, so plain requests do no tensor work
+here, and a captured step's argmax still answers their greedy rows. Modelled on vLLM's logits
+processors, except that ours read their state from the request instead of carrying it.
 """
 
 from __future__ import annotations

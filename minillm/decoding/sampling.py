@@ -1,14 +1,9 @@
 """How a request wants its tokens chosen, and the sampler that chooses them.
 
-:class:`SamplingParams` holds one request's settings, checked once, on arrival. Every field
-has the meaning it has in OpenAI's API and in vLLM, so the server can pass a request's JSON
-straight through. Invalid values raise ``ValueError`` naming the field, which the server
-turns into an HTTP 400.
-
-:func:`sample` turns one step's logits, one row per running request, into one token per row.
-Greedy rows cost one batched ``argmax``. Each sampled row draws from its own
-``torch.Generator`` (:func:`make_generator`), so a seeded request produces the same tokens
-whatever else shares its batch: batching is the server's business, never the user's.
+:class:`SamplingParams` fields mean what they mean in OpenAI's API and vLLM, so the server
+passes a request's JSON straight through; a bad value raises ``ValueError`` naming the field
+(an HTTP 400). :func:`sample` draws each row from its request's own generator, so a seeded
+request gives the same tokens whatever else shares its batch.
 """
 
 from __future__ import annotations
@@ -43,43 +38,18 @@ class FinishReason(str, Enum):
 
 @dataclass
 class SamplingParams:
-    """One request's decoding settings.
+    """One request's decoding settings, with OpenAI's and vLLM's meanings.
 
-    - ``max_tokens``: the most tokens to generate (the finish reason is ``"length"`` when hit).
-    - ``temperature``: 0 means greedy (always the most likely token); higher is more random.
-    - ``top_k``: keep only the k most likely tokens (``None`` or 0: all of them).
-    - ``top_p``: keep the smallest set of tokens whose probabilities sum to at least p.
-    - ``stop``: strings that end generation; the text returned stops before them.
-    - ``stop_token_ids``: token ids that end generation (kept in the output ids).
-    - ``ignore_eos``: keep going past the end-of-text token (load tests use it to fix lengths).
-    - ``seed``: a per-request random generator, so a seeded request gives the same text
-      whatever else shares its batch.
-
-    Adjustments to the logits, applied before temperature and the filters
-    (:mod:`minillm.decoding.penalties` says exactly how):
-
-    - ``presence_penalty``, ``frequency_penalty`` (-2..2): subtracted from the logit of every
-      token already generated, once (presence) or once per occurrence (frequency); OpenAI's.
-    - ``repetition_penalty`` (> 0, 1 is off): divides positive and multiplies negative logits
-      of every token in the prompt or the output; the CTRL paper's, as in vLLM and transformers.
-    - ``logit_bias``: token id -> a number in -100..100 added to that token's logit.
-    - ``min_tokens``: the end-of-text token and ``stop_token_ids`` are banned until this many
-      tokens are generated (stop strings still apply).
-
-    What the model thought, reported beside each token (:mod:`minillm.decoding.logprobs`):
-
-    - ``logprobs``: the chosen token's log-probability and this many top alternatives (0..20),
-      from the raw logits: before penalties, temperature and filters, as vLLM reports them.
-    - ``prompt_logprobs``: the same for every prompt token after the first, computed during
-      the prefill; with it, ``max_tokens`` may be 0: score the prompt, generate nothing.
-
-    What shape the text must take (:mod:`minillm.decoding.structured`):
-
-    - ``json_schema``: a JSON Schema the output must be an instance of (``{"type": "object"}``
-      for any JSON object); each step masks out the tokens that could not lead to one. Only its
-      type is checked here: the schema is checked where it is compiled, once per request
-      (:class:`~minillm.decoding.structured.GrammarCompiler`), so the naive loop of chapter 5
-      never loads the grammar machinery.
+    ``temperature`` 0 is greedy; ``top_k`` None or 0 keeps every token; ``stop`` strings end
+    the text before them, ``stop_token_ids`` end it after them; ``ignore_eos`` runs past the
+    end-of-text token (load tests fix lengths with it); ``seed`` gives the request its own
+    random generator. The penalties, ``logit_bias`` and ``min_tokens`` adjust the logits before
+    temperature and the filters (:mod:`minillm.decoding.penalties`). ``logprobs`` and
+    ``prompt_logprobs`` report the raw logits' view, as vLLM does
+    (:mod:`minillm.decoding.logprobs`); with ``prompt_logprobs``, ``max_tokens`` may be 0 (score
+    the prompt only). ``json_schema`` masks every step to tokens that can still lead to an
+    instance (:mod:`minillm.decoding.structured`); only its type is checked here, the schema
+    where it is compiled, so chapter 5's naive loop never loads the grammar machinery.
     """
 
     max_tokens: int = 16
@@ -167,10 +137,8 @@ class SamplingParams:
 
     @property
     def token_by_token(self) -> bool:
-        """True when every position needs its own adjusted or reported logits, which
-        speculative decoding's one-pass verification of a draft does not give; such a request
-        decodes one token per step. So does a request held to a schema: its mask depends on
-        every token before it."""
+        """True when every position needs its own adjusted, reported or masked logits, which
+        speculative decoding's one-pass verification does not give: one token per step."""
         return self.adjusts or self.logprobs is not None or self.json_schema is not None
 
     def stops_on(self, token: int, eos_token_id: int | None = None) -> bool:
@@ -182,9 +150,8 @@ class SamplingParams:
                       context_full: bool = False) -> FinishReason | None:
         """The stop rule of every loop that generates, from chapter 5's to the engine's: why
         ``token``, the ``num_generated``-th new token, ends the request, or None. A stop wins
-        over a length limit when one token is both (an end-of-text token that is also the last
-        allowed one reports ``"stop"``, as vLLM and OpenAI do). Stop strings and schemas end a
-        request by its text, which only the engine sees: it checks them besides."""
+        over a length limit, as in vLLM and OpenAI. Stop strings and schemas end a request by
+        its text, which only the engine sees: it checks them besides."""
         if self.stops_on(token, eos_token_id):
             return FinishReason.STOP
         if num_generated >= self.max_tokens or context_full:
@@ -221,14 +188,9 @@ def _brief(x: object) -> str:
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
-    """The random generator a request keeps for its whole life, on the logits' ``device``.
-
-    Greedy requests draw nothing and get none. A seeded request's generator starts from its
-    seed, so its tokens depend on nothing else. An unseeded sampled request gets a generator
-    seeded from torch's global generator: random from run to run (torch seeds that one from
-    the operating system), yet reproducible after ``torch.manual_seed``, and still its own
-    stream, untouched by how many neighbours draw before it in a step.
-    """
+    """The random generator a request keeps for its whole life (None for greedy ones). An
+    unseeded request's is seeded from torch's global generator: random from run to run, yet
+    reproducible after ``torch.manual_seed``, and untouched by its neighbours' draws."""
     if params.greedy:
         return None
     seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,)))
@@ -236,12 +198,9 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> torch.
 
 
 # Sampled rows go through the filters this many at a time. A row that sorts its whole
-# vocabulary holds about 40 bytes per token in temporaries (the float copy, the softmax, the
-# sorted values and their int64 ids, the running sums): 480 MiB for 256 rows of GPT-2's
-# vocabulary, the largest part of a step's memory (minillm.engine.memory measures it), and 60
-# MiB for 32. Each row's draw depends on its own row alone, so chunks change no token; on a
-# CPU they are faster too, a chunk's rows staying in cache (256 rows at temperature 1 took
-# 223 ms in one piece and 83 ms in chunks of 32 here).
+# vocabulary holds about 40 bytes per token in temporaries: 480 MiB for 256 rows of GPT-2's
+# vocabulary, 60 MiB for 32. Chunks change no token, and on a CPU they are faster too (256
+# rows took 223 ms in one piece, 83 ms in chunks of 32).
 SAMPLE_CHUNK_ROWS = 32
 
 
@@ -249,13 +208,9 @@ SAMPLE_CHUNK_ROWS = 32
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> torch.Tensor:
-    """One token per row of ``logits`` (``[n, vocab]``): a ``long`` tensor ``[n]``, same device.
-
-    Row ``i`` follows ``params[i]`` and draws from ``generators[i]`` (``None``: torch's global
-    generator). Greedy rows are answered by one ``argmax`` over the whole batch; only the
-    sampled rows go through temperature, top-k, top-p and a draw. A single request is the
-    case ``n == 1``: ``int(sample(row[None], [params], [generator])[0])``.
-    """
+    """One token per row of ``logits`` ``[n, vocab]``, row ``i`` by ``params[i]`` and
+    ``generators[i]``. Greedy rows cost one batched ``argmax``; only sampled rows go through
+    temperature, top-k, top-p and a draw."""
     if not len(params) == len(generators) == logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows of logits, {len(params)} params, {len(generators)} generators")
     tokens = logits.argmax(dim=-1)
@@ -271,10 +226,9 @@ def sample(
 def _sampled_groups(params: list[SamplingParams]) -> list[list[int]]:
     """The sampled rows, split into those that filter (top-k or top-p) and those that don't.
 
-    A draw inverts the CDF over the candidates in the order they are laid out: vocabulary
-    order for plain rows, largest first for filtering ones. Keeping the two apart means that
-    order depends on a row's own settings only, never on its neighbours', so a seeded row's
-    uniform number always lands on the same token.
+    A draw inverts the CDF in the order the candidates are laid out (vocabulary order, or
+    largest first when filtering); apart, that order depends on a row's own settings only, so
+    a seeded row's uniform number always lands on the same token.
     """
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     plain = [i for i in sampled if not params[i].filters]
@@ -283,13 +237,9 @@ def _sampled_groups(params: list[SamplingParams]) -> list[list[int]]:
 
 
 def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution ``sample`` draws from, as probabilities ``[n, vocab]`` in float32:
-    softmax at the request's temperature, cut to its top-k and nucleus and renormalised.
-
-    Speculative decoding's acceptance rule (chapter 14) needs the whole distribution, not one
-    draw, and it must be the one ``sample`` uses, or speculation would change what a request's
-    settings mean; so it lives here, beside the sampler, and shares its filter.
-    """
+    """The distribution ``sample`` draws from, as float32 probabilities ``[n, vocab]``.
+    Speculative decoding's acceptance rule (chapter 14) needs it whole, and it must be the
+    sampler's own, or speculation would change what a request's settings mean."""
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     if not params.filters:
         return probs
@@ -325,16 +275,11 @@ def _largest_first(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     """The rows' probabilities, largest first, with their token ids, as far as the filters
     can reach.
 
-    Sorting all 50,257 is the dearest step on a CPU (milliseconds a row), while a trained
-    model's nucleus rarely holds more than a few hundred tokens. So take the largest 256,
-    then 4,096, and sort everything only when some row's top-k, or its nucleus (top-p
-    without top-k), reaches further. A row's own prefix is the same whatever the width.
-
-    That holds only if the last candidate a row reaches is strictly likelier than the
-    smallest value taken (or has probability 0, past every possible token): ``topk`` keeps an
-    arbitrary few of the tokens tied at its cut, so a row whose cut falls inside that tie
-    would keep other tokens than the full stable sort keeps (the lowest ids), and would
-    change them when a neighbour widens the ranking.
+    Sorting all 50,257 costs milliseconds a row on a CPU, while a nucleus rarely holds more
+    than a few hundred tokens: so take the largest 256, then 4,096, and sort everything only
+    when some row reaches further. A width serves only if each row's last candidate is
+    strictly likelier than the smallest value taken (or 0): ``topk`` keeps an arbitrary few of
+    the tokens tied at its cut, which would differ from the stable full sort's.
     """
     vocab, width = probs.shape[-1], 256
     while width < vocab:
@@ -351,22 +296,16 @@ def _largest_first(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 
 def _ties_in_vocabulary_order(values: torch.Tensor, order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Put tied candidates from ``topk`` back in vocabulary order, as the stable full sort
-    leaves them. ``topk`` orders ties as it likes, differently for different widths; with
-    half-precision logits ties are common, and a seeded row must not change its token
-    because a neighbour made the batch rank wider."""
+    leaves them, so a seeded row keeps its token when a neighbour widens the ranking."""
     order, by_id = order.sort(dim=-1)
     values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
     return values, order.gather(1, by_value)
 
 
 def _filter(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Zero every probability outside each row's top-k, then outside its nucleus.
-
-    ``probs`` is sorted largest first and normalised over the whole vocabulary. The nucleus
-    is the smallest set whose mass reaches ``top_p`` of what top-k kept: a token stays while
-    the mass before it is still short of that, so the most likely token always stays. Rows
-    with ``top_p == 1`` skip the test, lest rounding in the running sum cut the far tail.
-    """
+    """Zero every probability (sorted largest first) outside each row's top-k, then outside
+    its nucleus: the smallest set whose mass reaches ``top_p`` of what top-k kept. Rows with
+    ``top_p == 1`` skip the test, lest rounding in the running sum cut the far tail."""
     rank = torch.arange(probs.shape[-1], device=probs.device)
     probs = probs * (rank < top_k)
     kept_by_top_k = torch.where(top_k < vocab, probs.sum(dim=-1, keepdim=True), 1.0)

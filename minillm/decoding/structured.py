@@ -1,22 +1,13 @@
 """Structured output: decoding held to a JSON Schema by a mask over the vocabulary, each step.
 
-A request with ``SamplingParams.json_schema`` gets a :class:`TokenGrammar`: a matcher that
-knows which tokens may come next so that the text so far can still grow into JSON valid under
-the schema. Before its row is sampled, every other token's logit becomes ``-inf``
-(:func:`token_bias`, :func:`mask_logits_`); after, the chosen token advances the matcher
-(:meth:`TokenGrammar.accept`). When the value is complete the matcher has nothing left to
-allow but the end of text, and the request finishes there. The output then always parses and
-validates, whatever the model would have preferred, unless ``max_tokens`` cuts it short first
-(finish reason ``"length"``, as in OpenAI's API and vLLM).
+A request with ``SamplingParams.json_schema`` gets a :class:`TokenGrammar`, which knows the
+tokens that keep the text on its way to valid JSON: every other logit becomes ``-inf`` before
+sampling, the chosen token advances it, and the request finishes when the value is complete.
+The output always validates, unless ``max_tokens`` cuts it short (finish reason ``"length"``).
 
-The matcher is llguidance's (the library llama.cpp uses; vLLM uses xgrammar, a sibling): a
-lexer and an Earley parser over the schema's grammar, walked against a trie of the vocabulary
-so that a mask costs a fraction of a millisecond rather than a pass over 50,257 strings. It
-covers most of JSON Schema (types, properties, required, enums, consts, string lengths and
-patterns, number ranges, arrays, anyOf, $ref). The JSON is laid out as Python's
-``json.dumps`` lays it out, one space after ``:`` and ``,`` and no other whitespace: a free
-choice of whitespace would let a model that has never seen JSON pad forever. The chapter after the server builds the same idea by hand, from a regular expression
-through a character automaton to the token mask, and checks it against this one.
+The matcher is llguidance's (llama.cpp's; vLLM uses its sibling xgrammar): an Earley parser
+walked against a trie of the vocabulary, a fraction of a millisecond per mask, covering most
+of JSON Schema. Chapter 10 builds the same idea by hand and checks it against this one.
 """
 
 from __future__ import annotations
@@ -37,9 +28,8 @@ _BITS = 32  # llguidance's masks are int32 words, one bit a token
 # How many compiled schemas a compiler keeps, the most recently used: a server's clients tend
 # to send the same few schemas again and again.
 SCHEMA_CACHE = 64
-# The JSON's layout: Python's json.dumps spacing, and no other whitespace. llguidance's own
-# default lets any run of spaces and newlines sit between tokens, and a model that has never
-# seen JSON takes that offer and pads. A schema's "x-guidance" key can still override these.
+# The JSON's layout: json.dumps spacing and no other whitespace, or a model that has never seen
+# JSON pads forever. A schema's "x-guidance" key can still override these.
 _LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -72,14 +62,10 @@ def grammar_compiler(tokenizer: Tokenizer) -> GrammarCompiler:
 
 
 class GrammarCompiler:
-    """Makes :class:`TokenGrammar` matchers over one tokenizer's vocabulary.
-
-    The vocabulary is indexed once, on the first request that asks (about 0.2 s for GPT-2's
-    50,257 tokens). A schema compiles once, in about a millisecond, into a matcher at the start
-    of its grammar, kept by the schema's text (the last :data:`SCHEMA_CACHE`); each choice of
-    each request that uses it starts from its own copy (10 microseconds). A schema the matcher
-    cannot use is found by that compilation: a ``ValueError`` saying why.
-    """
+    """Makes :class:`TokenGrammar` matchers over one tokenizer's vocabulary, indexed on first
+    use (about 0.2 s for GPT-2's). A schema compiles once (about a millisecond, kept by its
+    text) and each choice starts from a copy (10 microseconds); one it cannot use raises
+    ``ValueError`` saying why."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -149,17 +135,11 @@ class TokenGrammar:
 
 
 def token_bias(grammars: list[TokenGrammar], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """What each row's grammar adds to its logits: a float tensor ``[len(grammars), vocab]``
-    holding 0 where the token is allowed and ``-inf`` where it is not. Tokens past the
-    grammar's vocabulary (a model whose embedding is padded) are never allowed. Raises
-    ``RuntimeError`` if a grammar allows nothing, which a correct matcher never does
-    (tests/test_structured.py checks that property).
-
-    The matcher writes bits; each byte of them picks its row of :func:`_byte_bias`, the eight
-    biases it stands for, in one ``index_select``. An add then applies the mask: on a 2-core
-    CPU that is 2 ms for 32 rows of GPT-2's vocabulary, where unpacking the bits by shifts and
-    ``masked_fill`` took 14.
-    """
+    """What each row's grammar adds to its logits, ``[len(grammars), vocab]``: 0 where the
+    token is allowed, ``-inf`` where not (and past the grammar's vocabulary). Raises
+    ``RuntimeError`` if a grammar allows nothing. Each byte of the matcher's bits picks its
+    eight biases from :func:`_byte_bias` in one ``index_select``: 2 ms for 32 rows of GPT-2's
+    vocabulary on a 2-core CPU, where shifts and ``masked_fill`` took 14."""
     words = -(-max(vocab, max(g.vocab_size for g in grammars)) // _BITS)
     bitmask = torch.zeros(len(grammars), words, dtype=torch.int32)
     for row, grammar in enumerate(grammars):
@@ -179,12 +159,8 @@ def _byte_bias(device: torch.device) -> torch.Tensor:
 
 
 def mask_logits_(logits: torch.Tensor, rows: list[int], bias: torch.Tensor) -> None:
-    """Add a :func:`token_bias` to ``logits[rows]``, in place: every ruled-out token at ``-inf``.
-
-    The mask wins over a request's own adjustments: should a bias or ``min_tokens`` have
-    pushed every allowed token to ``-inf``, the row chooses evenly among the allowed ones
-    rather than among nothing.
-    """
+    """Add a :func:`token_bias` to ``logits[rows]``, in place. The mask wins over a request's
+    own adjustments: a row they left with no allowed token chooses evenly among the allowed."""
     index = torch.tensor(rows, device=logits.device)
     logits.index_add_(0, index, bias)  # one pass; gathering the rows and scattering them back took 9x longer
     dead = torch.isneginf(logits.amax(dim=1)[index])

@@ -1,33 +1,19 @@
 """The KV cache as a pool of fixed-size blocks: ``BlockAllocator``.
 
-Chapter 6 kept each sequence's keys and values in one contiguous tensor sized for the longest
-answer it might give, so most of it sat empty. Paging (vLLM's PagedAttention) cuts the cache
-into blocks of ``block_size`` token slots, numbered ``0 .. num_blocks-1``, and gives a sequence
-blocks only as it grows. A sequence's ``block_table`` lists its blocks in order, so token
-position ``p`` lives in slot::
+Paging (vLLM's PagedAttention) cuts the cache into blocks of ``block_size`` token slots and
+gives a sequence blocks only as it grows, listed in its ``block_table``, so at most
+``block_size - 1`` slots per sequence are wasted (chapter 6's cache reserved the longest answer).
 
-    block_table[p // block_size] * block_size + p % block_size
+Blocks are shared by reference count. With prefix caching a *full*, computed block gets a hash
+chained over the whole prefix, ``H(parent_block_hash, tokens_of_this_block)``: equal hashes
+mean equal tokens at equal positions, hence equal keys and values, so a new sequence shares
+its matching leading blocks instead of recomputing them. A wrong match would leak another
+request's text, so ``H`` is BLAKE2b keyed with a per-process secret and a hit must also match
+the block's own tokens and parent hash. No block needs copy-on-write: only full blocks are
+shared, and a sequence writes only past its computed tokens, in blocks it holds alone.
 
-and at most ``block_size - 1`` slots per sequence are ever wasted.
-
-Blocks can be shared. Each block has a reference count: the number of block tables that hold
-it. With prefix caching, a *full* block whose tokens are all computed gets a hash chained over
-the whole prefix, ``H(parent_block_hash, tokens_of_this_block)``, so equal hashes mean equal
-tokens at equal positions, hence equal keys and values. A new sequence whose leading blocks
-hash to known blocks shares them (reference count + 1) instead of recomputing them.
-
-Sharing another request's keys and values on a wrong match would leak its text into this
-one's answer, so a match is proven, not assumed: ``H`` is BLAKE2b keyed with a secret drawn
-when the process starts (no prompt can be crafted to collide with a hash it cannot compute),
-and a hit is taken only if the cached block's own tokens and parent hash equal the sequence's.
-
-Why no block ever needs copy-on-write: only full, computed blocks are shared, and nobody writes
-to a full block again. A sequence only writes at positions ``>= num_computed_tokens``, which
-lie past its shared blocks, in blocks it holds alone.
-
-Freed blocks that carry a hash are kept, not wiped: they sit in an *evictable* set, in least
-recently used order, where a later request can still hit them. They count as free, and are
-reused (and their hash forgotten) only when the plain free list is empty.
+Freed blocks that carry a hash stay *evictable*, in least recently used order, where a later
+request can still hit them; they count as free, and are reused only when the free list is empty.
 """
 
 from __future__ import annotations
@@ -53,13 +39,9 @@ def chain_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
 
 
 class BlockAllocator:
-    """A fixed pool of KV blocks, their reference counts, and the prefix-cache table.
-
-    Public state, for tests and the dashboard: ``ref_counts[b]`` (how many block tables hold
-    block ``b``), ``free_list`` (free blocks with no cached content), ``evictable`` (free blocks
-    whose content is cached, oldest first), ``prefix_queries`` and ``prefix_hits`` (tokens
-    looked up and found at admissions).
-    """
+    """A fixed pool of KV blocks, their reference counts (``ref_counts``), the free and
+    ``evictable`` blocks, and the prefix-cache table with its statistics (tokens looked up and
+    found at admissions)."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -131,8 +113,7 @@ class BlockAllocator:
 
     def num_blocks_to_take(self, seq: Sequence, num_tokens: int, shared: BlockIds[int] = ()) -> int:
         """How many free blocks giving ``seq`` room for ``num_tokens`` tokens would use up: new
-        blocks beyond its table and ``shared``, plus shared blocks that are free right now
-        (evictable ones, which leave the free count once someone holds them)."""
+        ones, plus shared ones that are evictable now (held, they stop counting as free)."""
         fresh = max(0, self.blocks_for(num_tokens) - len(seq.block_table) - len(shared))
         return fresh + sum(1 for b in shared if self.ref_counts[b] == 0)
 
@@ -141,9 +122,8 @@ class BlockAllocator:
         return self.num_blocks_to_take(seq, num_tokens, shared) <= self.num_free_blocks
 
     def admit(self, seq: Sequence, num_tokens: int, shared: BlockIds[int]) -> None:
-        """Give a sequence that holds no blocks its first ones: share ``shared`` (from
-        :meth:`match_prefix`), then add fresh blocks up to ``num_tokens`` tokens. Its computed
-        tokens start at what the shared blocks cover; the lookup is counted in the statistics."""
+        """Give a sequence that holds no blocks its first ones: ``shared`` (from
+        :meth:`match_prefix`), already computed, then fresh ones up to ``num_tokens`` tokens."""
         if seq.block_table:
             raise ValueError(f"request {seq.request_id!r} already holds blocks {seq.block_table}")
         for block in shared:
@@ -157,8 +137,7 @@ class BlockAllocator:
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Append fresh blocks to ``seq``'s table until it holds ``num_tokens`` tokens (check
-        :meth:`can_allocate` first). A decode step needs one more block each time it crosses a
-        block boundary, i.e. once every ``block_size`` tokens."""
+        :meth:`can_allocate` first)."""
         while len(seq.block_table) * self.block_size < num_tokens:
             block = self.take_free_block()
             self.ref_counts[block] = 1
@@ -203,13 +182,8 @@ class BlockAllocator:
             parent = key
 
     def free(self, seq: Sequence) -> None:
-        """Give back every block of ``seq`` (its table becomes empty). A block still held by
-        another sequence only loses a reference; one that nobody holds becomes free: evictable
-        if its content is in the cache, plain free otherwise.
-
-        Blocks are released last first, so the tail of a sequence (its least shareable part)
-        is evicted before its prefix, as in vLLM.
-        """
+        """Drop ``seq``'s reference to each of its blocks, last first, so the tail of a
+        sequence (its least shareable part) is evicted before its prefix, as in vLLM."""
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:

@@ -1,12 +1,9 @@
 """``build_engine``: from weights to a ready engine, the one sequence ``LLM`` and
 ``python -m server`` share.
 
-Each later chapter plugs in here rather than into the engine: load the weights (a ``GPT`` or
-a checkpoint path) onto the device; cast them, or quantize them (chapter 13); split them over
-processes, by heads or by layers (chapter 16); choose a drafter (chapter 14); pack the
-weights, capture decode steps, pick the attention kernels (chapters 12 and 15); then build the
-:class:`LLMEngine`. A failure that one option caused raises :class:`EngineOptionError` naming
-that option, so the server can name its flag.
+Each later chapter plugs in here rather than into the engine: load, cast or quantize (chapter
+13), split over processes (16), draft (14), pack, capture and pick kernels (12 and 15). A
+failure one option caused raises :class:`EngineOptionError` naming it, for the server's flag.
 """
 
 from __future__ import annotations
@@ -46,10 +43,9 @@ def build_engine(
     """An engine over ``model`` (a ``GPT``, moved to ``device`` and cast in place, or a checkpoint
     path, loaded onto ``device``, the CPU by default). ``quantize="int8"`` or ``"int4"`` stores
     the matrices in that many bits, with bf16 activations unless ``dtype`` says otherwise.
-    ``config.tensor_parallel_size > 1`` starts that many worker processes (``engine.close()``
-    stops them), as does ``config.pipeline_parallel_size > 1``, one per stage after the first. ``speculative_draft``: a draft ``GPT``, its checkpoint, or ``"ngram"``.
-    A ``config.memory_budget`` too small for the model is an :class:`EngineOptionError`
-    naming ``memory_budget``."""
+    ``speculative_draft`` (a draft ``GPT``, its checkpoint, or ``"ngram"``) speculates
+    ``num_speculative_tokens`` on lone decodes (chapter 14). Split models start worker
+    processes, which ``engine.close()`` stops."""
     config = config or EngineConfig()
     check_options(config, dtype=dtype, quantize=quantize, speculative_draft=speculative_draft,
                   num_speculative_tokens=num_speculative_tokens)
@@ -84,9 +80,8 @@ def build_engine(
 
 def make_engine(model: GPT, config: EngineConfig, tokenizer: Tokenizer | None, speculator: Speculator | None,
                 speedups: Speedups) -> LLMEngine:
-    """The engine class that runs the plug-ins asked for: the plain :class:`LLMEngine`, or one
-    that drives its runner differently (several pipeline micro-batches in flight, or
-    speculative steps)."""
+    """The plain :class:`LLMEngine`, or one that drives its runner differently (pipeline
+    micro-batches in flight, or speculative steps)."""
     if config.micro_batches > 1:
         from minillm.distributed.pipeline_workers import PipelinedEngine
 
@@ -97,10 +92,8 @@ def make_engine(model: GPT, config: EngineConfig, tokenizer: Tokenizer | None, s
 
 
 def plug_in(model: GPT, config: EngineConfig) -> tuple[GPT, Speedups]:
-    """The model the engine runs (``model``, or its weight-packed copy: chapter 12) and the
-    plug-ins ``config`` asks for (captured decode steps, chapter 12; Triton attention, chapter
-    15), each decided here once. An option that cannot be honoured is an
-    :class:`EngineOptionError` naming it."""
+    """The model the engine runs (``model``, or its weight-packed copy) and the plug-ins
+    ``config`` asks for (captured decode steps, Triton attention), each decided here once."""
     model = model.eval()
     kernels = attention_kernels(config.attention, model.device)
     reason = eager_reason(model, config)
@@ -120,14 +113,11 @@ def eager_reason(model: GPT, config: EngineConfig) -> str | None:
 def packed_if_asked(model: GPT, config: EngineConfig) -> GPT:
     """``model`` itself, or its weight-packed copy (``pack_weights``: None packs where it is
     supported, unless ``enforce_eager`` or ``memory_budget`` is given)."""
-    if config.pack_weights is not None:
-        pack = config.pack_weights
-    else:
+    pack = config.pack_weights
+    if pack is None:
         pack = not config.enforce_eager and config.memory_budget is None
-    if not pack:
-        return model
-    reason = packing_unsupported(model)
-    if reason is None:
+    reason = packing_unsupported(model) if pack else None
+    if pack and reason is None:
         return pack_weights(model)
     if config.pack_weights:
         raise EngineOptionError("pack_weights", f"pack_weights=True: {reason}")
@@ -154,13 +144,9 @@ def attention_kernels(attention: str, device: torch.device) -> AttentionKernels 
 def check_options(config: EngineConfig, *, dtype: str | torch.dtype | None = None, quantize: str | None = None,
                   speculative_draft: object = None, num_speculative_tokens: int = 4) -> None:
     """Refuse, before any weights load, what :func:`build_engine`'s own options cannot do, alone
-    or with ``config`` (which checked itself): an :class:`EngineOptionError` naming the option.
-    The server calls it on its flags, so that it and ``LLM`` accept exactly the same options.
-
-    A split slices a float model's ``nn.Linear`` weights, which quantization replaces; a
-    pipelined engine keeps micro-batches in flight and has no speculative step. Speculation
-    with tensor parallelism works as on one process (the draft runs on rank 0, the target's
-    verifying forward on every rank), and gives the same greedy tokens (tested)."""
+    or with ``config``: an :class:`EngineOptionError` naming the option. The server calls it
+    on its flags, so that it and ``LLM`` accept exactly the same options. (A split slices the
+    float ``nn.Linear`` weights quantization replaces; a pipelined engine has no speculative step.)"""
     try:
         resolve_dtype(dtype)
     except ValueError as err:

@@ -29,19 +29,13 @@ class EngineOptionError(ValueError):
 class EngineConfig:
     """How big the KV pool is and how much work one step may take on.
 
-    ``kv_cache_memory`` is the KV cache's byte budget (``"6GiB"``); by default 1 GiB on a CPU,
-    and on a GPU 90% of the memory left free after the model is loaded. ``memory_budget`` is
-    the whole process's instead (weights, activations, runtime and cache: on a GPU the device's
-    memory, on a CPU the resident set): the engine measures the rest by running its largest
-    step, and the cache gets what remains (:mod:`minillm.engine.memory`); it is refused
-    together with ``kv_cache_memory`` or ``num_blocks``, which size the cache alone.
-    ``num_blocks`` overrides the byte budgets (tests use tiny pools to force preemption).
-    ``tensor_parallel_size`` splits the model over that many processes (``minillm.distributed.tensor``;
-    :func:`minillm.engine.build.build_engine` starts them); both budgets are then per rank,
-    each holding its heads. ``pipeline_parallel_size`` splits its blocks into that many stages,
-    one process each (:mod:`minillm.distributed.pipeline`); ``kv_cache_memory`` is then per stage, and
-    ``pipeline_micro_batches`` (by default as many as stages) is how many batches the engine
-    keeps in flight so the stages work at once.
+    ``kv_cache_memory`` is the KV cache's byte budget (``"6GiB"``): by default 1 GiB on a CPU,
+    and on a GPU 90% of the memory free after loading. ``memory_budget`` is the whole process's
+    instead: the engine measures the rest by running its largest step, and the cache gets what
+    remains (:mod:`minillm.engine.memory`). ``num_blocks`` overrides both (tests force
+    preemption with tiny pools). With ``tensor_parallel_size`` processes (split by heads) the
+    budgets are per rank; with ``pipeline_parallel_size`` stages (split by blocks) per stage,
+    and ``pipeline_micro_batches`` (by default one per stage) batches stay in flight.
     """
 
     block_size: int = 16
@@ -56,21 +50,15 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     pipeline_micro_batches: int | None = None
     attention: str = "torch"  # "triton": chapter 15's kernels (CUDA, or the interpreter on a CPU)
-    # Decode-only steps as captured programs (minillm.speedups.decode_graphs, wired in by build_engine;
-    # a plain LLMEngine runs every step eagerly and refuses False): True keeps every
-    # step eager (the reference); False captures them wherever the model allows (not a
-    # tensor-parallel or quantized one); None captures where it is cheap: a CUDA graph records
-    # in well under a second, while Inductor compiles and times its matrix kernels for about a
-    # minute per batch bucket on a small CPU, which a server pays once and a notebook should not.
+    # Decode-only steps as captured programs (minillm.speedups.decode_graphs, wired in by build_engine):
+    # True keeps every step eager (the reference); False captures wherever the model allows (not
+    # a tensor-parallel or quantized one); None captures where it is cheap: a CUDA graph records
+    # in well under a second, while Inductor compiles for about a minute per batch bucket on a CPU.
     enforce_eager: bool | None = None
-    # Run a copy of the model whose matrices are prepacked for oneDNN (minillm.speedups.packed, by
-    # build_engine; a plain LLMEngine runs the model it is handed and refuses True): True
-    # insists, False keeps the weights as they are, None packs wherever it is supported (a
-    # float32 model on a CPU) unless enforce_eager asks for the plain reference path, or
-    # memory_budget for memory that stays where it was measured: oneDNN keeps a primitive, with
-    # its scratch memory, for every batch shape it has run (about 2.6 MB per shape on the tiny
-    # preset, up to its caches' 1,024 entries), so a packed model grows with each new shape long
-    # after any warm-up; the two are refused together.
+    # A copy of the model prepacked for oneDNN (minillm.speedups.packed, by build_engine): True
+    # insists, None packs where supported (float32 on a CPU) unless enforce_eager or memory_budget
+    # is given. oneDNN keeps a primitive per batch shape it has run (about 2.6 MB each on the tiny
+    # preset), so a packed model grows past any warm-up: it is refused with memory_budget.
     pack_weights: bool | None = None
 
     def __post_init__(self) -> None:
@@ -80,15 +68,11 @@ class EngineConfig:
         if self.attention == "triton" and self.tensor_parallel_size > 1:
             raise EngineOptionError("attention", "attention='triton' runs on one device; use it with "
                                                  "tensor_parallel_size=1")
-        if self.tensor_parallel_size < 1:
-            raise EngineOptionError("tensor_parallel_size",
-                                    f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        self._check_pipeline()
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
+        for name in ("tensor_parallel_size", "pipeline_micro_batches", "block_size", "max_num_seqs",
+                     "max_num_batched_tokens", "num_blocks"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise EngineOptionError(name, f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise EngineOptionError("num_blocks", f"num_blocks must be >= 1, got {self.num_blocks}")
+        self._check_pipeline()
         for name in ("kv_cache_memory", "memory_budget"):
             try:
                 if getattr(self, name) is not None:
@@ -112,9 +96,6 @@ class EngineConfig:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise EngineOptionError("pipeline_parallel_size", "pipeline_parallel_size (--pipeline-parallel-size) "
                                     f"must be an integer >= 1, got {size!r}")
-        if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
-            raise EngineOptionError("pipeline_micro_batches",
-                                    f"pipeline_micro_batches must be >= 1, got {self.pipeline_micro_batches}")
         if size == 1:
             return
         clashes = {

@@ -1,19 +1,11 @@
 """The paged KV cache: one pool of fixed-size blocks shared by every running sequence.
 
-Chapter 6's cache reserves ``max_len`` positions per sequence up front. Here memory is cut
-into blocks of ``block_size`` token slots (vLLM's PagedAttention), and each sequence owns a
-*block table*, the list of blocks holding its positions in order. A sequence grows a block at
-a time, so at most ``block_size - 1`` slots per sequence sit empty, and blocks holding a shared
-prompt prefix can be shared outright.
-
-The pool is two tensors, ``k`` and ``v``, of shape ``[layers, num_blocks, block_size, heads,
-head_dim]``. Viewed as ``[layers, num_slots, heads, head_dim]``, slot ``b * block_size + i``
-is position ``i`` of block ``b``. One block more than the allocator hands out, the *pad
-block* (``pad_block``, the last), belongs to no sequence: block tables are padded with it
-(:meth:`PagedKVPool.table_row`), and the padding rows of a captured decode step write into it.
-:class:`PagedAttention` is what the model sees as its ``cache`` for one step: it writes the
-step's new keys and values into their slots (:func:`slot_of`), then gathers each sequence's
-keys and values back through its block table to attend over them.
+The pool is two tensors, ``k`` and ``v``, ``[layers, num_blocks, block_size, heads,
+head_dim]``; slot ``b * block_size + i`` is position ``i`` of block ``b``. One more block than
+the allocator hands out, the *pad block* (the last), belongs to no sequence: block tables are
+padded with it, and the padding rows of a captured decode step write into it.
+:class:`PagedAttention` is the model's ``cache`` for one step: it writes the step's new keys
+and values into their slots, then reads each sequence's back through its block table.
 """
 
 from __future__ import annotations
@@ -27,19 +19,15 @@ import torch.nn.functional as F
 from minillm.model.config import ModelConfig
 from minillm.model.gpt import fused_attention
 
-# How the engine attends: "torch" gathers length-sorted groups of decodes and makes one fused
-# attention call per group; "torch-loop" attends one sequence at a time (chapter 8's foil);
-# "triton" runs chapter 15's kernels, which read the blocks in place: build_engine hands them in
-# as AttentionKernels.
+# How decodes attend: "torch" gathers length-sorted groups, one fused call each; "torch-loop"
+# one sequence at a time (chapter 8's foil); "triton" by chapter 15's kernels, in place.
 ATTENTION_BACKENDS = ("torch", "torch-loop", "triton")
 
 
 @dataclass(frozen=True)
 class AttentionKernels:
-    """Attention by kernels that read the pool in place instead of gathering it (chapter 15's
-    Triton ones, which :func:`minillm.engine.build.build_engine` hands in for
-    ``attention="triton"``). ``decode`` has :func:`gather_decode_attention`'s signature;
-    ``prefill(q, k, v)`` is causal attention over ``[1, heads, T, head_dim]`` tensors."""
+    """Kernels that read the pool in place (chapter 15's, handed in by ``build_engine``):
+    ``decode`` has :func:`gather_decode_attention`'s signature, ``prefill(q, k, v)`` is causal."""
 
     name: str
     decode: Callable[..., torch.Tensor]
@@ -171,19 +159,10 @@ class DecodeGroup:
 class PagedAttention:
     """One step's view of the pool, handed to ``GPT.forward`` as its ``cache``.
 
-    The step's tokens are laid out flat, as one ``[1, N]`` batch: first the single-token
-    chunks (decodes), sorted by length, then the multi-token prefill chunks. Decodes are the
-    hot path. A group of decodes of similar length is done in one fused attention call
-    (:func:`gather_decode_attention`): their blocks are gathered into one ``[B, heads, L,
-    head_dim]`` tensor, padded to the longest of the group and masked past each one's length.
-    Sorting by length before grouping keeps that padding, which costs a copy and a read per
-    slot, small. Prefill chunks, a few per step, are done one by one with causal attention
-    over their own prefix.
-
-    ``backend`` is how decodes are attended (:meth:`decode`): ``"torch"`` by the gather just
-    described, ``"torch-loop"`` one sequence at a time, or :class:`AttentionKernels` that read
-    the blocks in place through the block tables, with no gather (chapter 15), and do the
-    prefills too.
+    The step's tokens are one flat ``[1, N]`` batch: the decodes, sorted by length, then the
+    prefill chunks. Each group of decodes is one fused call over its gathered blocks, padded to
+    the group's longest (sorting keeps the padding small); each prefill chunk attends causally
+    over its own prefix. ``backend`` is ``"torch"``, ``"torch-loop"`` or :class:`AttentionKernels`.
     """
 
     def __init__(

@@ -40,21 +40,11 @@ class CompletionOutput:
 
 
 class LLM:
-    """A model and an engine around it. ``model`` is a ``GPT`` (moved to ``device``/``dtype``
-    in place) or a checkpoint path; the other keywords are :class:`EngineConfig` fields.
-    With ``tensor_parallel_size=N`` or ``pipeline_parallel_size=N`` the engine starts N - 1
-    worker processes: ``close()`` the ``LLM`` (or use it in a ``with``) to stop them.
-
-    ``speculative_draft`` (a ``GPT``, a checkpoint path, or ``"ngram"`` for prompt lookup)
-    turns on speculative decoding with ``num_speculative_tokens`` drafts per step; it applies
-    to steps that decode a single prompt, and batched steps run as usual (chapter 14).
-
-    ``memory_budget="6GiB"`` is the whole process's memory: the engine measures the weights,
-    the runtime and its largest step, and sizes the KV cache from what is left
-    (:mod:`minillm.engine.memory`).
-
-    ``quantize="int8"`` or ``"int4"`` stores the model's matrices in that many bits
-    (``minillm.speedups.quant``); its activations are then bf16 unless ``dtype`` says otherwise (chapter 13)."""
+    """A model and an engine around it (:func:`~minillm.engine.build.build_engine` says what
+    ``model``, ``device``, ``dtype``, ``quantize`` and ``speculative_draft`` take); the other
+    keywords are :class:`EngineConfig` fields. With ``tensor_parallel_size`` or
+    ``pipeline_parallel_size`` > 1 the engine starts worker processes: ``close()`` the ``LLM``
+    (or use it in a ``with``) to stop them."""
 
     def __init__(
         self,

@@ -1,13 +1,9 @@
 """The engine: requests in, tokens out, one scheduler step at a time.
 
-``LLMEngine`` wires the pieces of chapters 7 and 8 together. ``add_request`` checks a request
-and queues its ``Sequence``, the request's one record (its tokens, blocks, detokenizer, random
-generator and timestamps). Each ``step()`` asks the scheduler who runs, has the model runner
-compute and sample, appends each new token to its sequence, detokenizes it (holding back half
-characters and possible stop strings), and lets the scheduler retire finished sequences and
-free their blocks; a retired sequence is referenced by nothing in the engine any more. The
-server (chapter 9) calls ``step()`` in a loop; ``LLM.generate`` does the same for a fixed list
-of prompts.
+``LLMEngine`` wires chapters 7 and 8 together: ``add_request`` queues a request's
+``Sequence``; each ``step()`` asks the scheduler who runs, has the model runner compute and
+sample, appends and detokenizes the new tokens, and lets the scheduler retire the finished.
+The server (chapter 9) calls ``step()`` in a loop; ``LLM.generate`` does for a fixed batch.
 """
 
 from __future__ import annotations
@@ -89,11 +85,9 @@ class Capture(Protocol):
 
 @dataclass(frozen=True)
 class Speedups:
-    """What :func:`~minillm.engine.build.build_engine` plugs into the engine for the options that
-    need a later chapter, decided there once from ``EngineConfig``: ``kernels`` for
+    """What :func:`~minillm.engine.build.build_engine` plugs into the engine: ``kernels`` for
     ``attention="triton"``; ``capture`` for decode steps run as captured programs, or else
-    ``eager_reason``, why they run eagerly. Packed weights need nothing here: the engine is
-    handed the packed model."""
+    ``eager_reason``, why they run eagerly. (Packed weights come as the model itself.)"""
 
     kernels: AttentionKernels | None = None
     capture: Capture | None = None
@@ -104,10 +98,8 @@ class LLMEngine:
     """The paged, continuously batched engine over one ``GPT`` (or a model that acts as one:
     quantized, packed, or rank 0 of a split over processes).
 
-    Constructed directly it is the plain core: every step eager, the model as it is handed
-    over. ``enforce_eager`` and ``pack_weights`` left at None mean exactly that here; an option
-    that asks for a plug-in outright (``enforce_eager=False``, ``pack_weights=True``,
-    ``attention="triton"``) is refused, since only ``build_engine`` (and ``LLM`` on it) wires
+    Constructed directly it is the plain core: every step eager, the model as handed over; an
+    option that asks for a plug-in outright is refused, since only ``build_engine`` wires
     plug-ins in, through ``speedups``."""
 
     def __init__(
@@ -119,16 +111,10 @@ class LLMEngine:
     ) -> None:
         config = config or EngineConfig()
         speedups = _plain_core(config) if speedups is None else speedups
-        if getattr(model, "world_size", 1) != config.tensor_parallel_size:
-            raise ValueError(
-                f"tensor_parallel_size={config.tensor_parallel_size} needs the model split over that many "
-                "processes: build the engine with minillm.engine.build_engine (or LLM), which starts them"
-            )
-        if getattr(model, "num_stages", 1) != config.pipeline_parallel_size:
-            raise ValueError(
-                f"pipeline_parallel_size={config.pipeline_parallel_size} needs the model split into that many stages: "
-                "build the engine with minillm.engine.build_engine (or LLM), which starts them"
-            )
+        for option, parts in (("tensor_parallel_size", "world_size"), ("pipeline_parallel_size", "num_stages")):
+            if getattr(model, parts, 1) != getattr(config, option):
+                raise ValueError(f"{option}={getattr(config, option)} needs the model split over that many "
+                                 "processes: build the engine with minillm.engine.build_engine (or LLM)")
         self.model = model = model.eval()
         self.config = config
         self.tokenizer = tokenizer or get_tokenizer()
@@ -219,10 +205,9 @@ class LLMEngine:
         return results
 
     def _append(self, chunk: ScheduledChunk, made: ChunkOutput, now: float) -> RequestOutput:
-        """Append a chunk's new tokens (more than one after an accepted draft) up to the one
-        that finishes the request, and turn them into the text now safe to show. A request
-        with ``max_tokens=0`` wanted its prompt scored only: it finishes here, and the token
-        sampled after its prompt is dropped."""
+        """Append a chunk's new tokens (several after an accepted draft) up to the one that
+        finishes the request, and turn them into the text now safe to show. A request with
+        ``max_tokens=0`` wanted its prompt scored only: its sampled token is dropped."""
         seq, detok = chunk.seq, chunk.seq.detokenizer
         first_output = seq.first_token_time is None
         tokens = made.tokens

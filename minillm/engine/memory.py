@@ -1,38 +1,21 @@
 """One memory budget for the whole engine: measure what the model needs, give the cache the rest.
 
-``kv_cache_memory`` sizes the KV cache alone, and leaves the user to guess what the weights,
-the activations and the runtime take beside it. ``memory_budget`` (``--memory-budget 6GiB``)
-is the whole process's memory instead: at start-up the engine measures what is resident and
-what its largest step needs on top, by running that step, as vLLM profiles before it sizes its
-cache; the KV cache gets what remains (:func:`measure`, then :func:`plan`, plain arithmetic).
+``memory_budget`` (``--memory-budget 6GiB``) is the whole process's memory, where
+``kv_cache_memory`` sizes the cache alone and leaves the user to guess the rest. At start-up
+the engine measures what is resident and what its largest step needs on top, by running that
+step, as vLLM profiles before it sizes its cache (:func:`measure`, then :func:`plan`).
 
-What the budget covers:
+- **CPU**: the resident set (``VmRSS``: what ``top``, a container's limit and the OOM killer
+  count), interpreter and libraries included (about 280 MB before any model), since that is
+  the figure a budget can promise; the test holds a child process's ``ru_maxrss`` under it.
+- **CUDA**: the device's memory in use (``total - free``), the CUDA context and other
+  processes included (as ``runtime``); the caching allocator's fragmentation is not counted
+  (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` keeps it small).
+- **Tensor parallelism**: the budget is per rank, measured on rank 0, whose share is the
+  largest (it alone samples and runs the engine); every rank's pool has as many blocks.
 
-- **CPU**: the process's resident memory (``VmRSS``: what ``top``, a container's memory limit
-  and the OOM killer count), all of it: the interpreter and torch's libraries (about 280 MB
-  before any model is loaded), the tokenizer, the weights, the activations and the KV cache.
-  The operating system counts all of it against the process, so that is the figure a budget
-  can promise, and the test checks it (a child process's ``ru_maxrss`` stays under the
-  budget through a full batch run to full context). The part that is not the model shows
-  in the split as ``runtime``. A budgeted engine keeps its weights unpacked by default
-  (``EngineConfig.pack_weights`` says why).
-- **CUDA**: the device's memory in use (``total - free`` from ``cudaMemGetInfo``): what
-  PyTorch's allocator holds (weights, activations, KV cache) and what it does not (the CUDA
-  context, cuBLAS handles, lazily loaded kernels: ``runtime``). The device cannot tell this
-  process's memory from another's, so on a GPU shared with other processes theirs counts in
-  ``runtime`` too. Not counted: the caching allocator's fragmentation (memory reserved beyond
-  the allocated peak); ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` keeps it small.
-- **Tensor parallelism**: the budget is per rank (per process on a CPU, per GPU on CUDA). The
-  split is measured on rank 0, whose share is the largest (it alone computes the logits,
-  samples and runs the engine), over ``model.cfg``, which there is rank 0's slice: a block's
-  bytes are one rank's heads. Every rank's pool has the same number of blocks, so every rank
-  fits what rank 0 fits.
-
-The split: ``runtime + weights + activations + allocator + graphs + kv_cache <= budget``, where
-``kv_cache`` is the pool the engine allocates, ``(blocks + 1) * block_bytes`` (the pool's pad
-block included), and ``blocks = floor((budget - runtime - weights - activations - allocator -
-graphs) / block_bytes) - 1``. A budget whose pool cannot hold one sequence of full context is
-refused (:class:`MemoryBudgetError`: one line, what does not fit and by how much).
+A budget whose pool cannot hold one sequence of full context is refused
+(:class:`MemoryBudgetError`: what does not fit and by how much).
 """
 
 from __future__ import annotations
@@ -57,13 +40,10 @@ from minillm.sizes import parse_memory
 _PROC_STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
 
-# glibc's malloc hands a large block back to the system when it is freed, but after the first
-# such free it raises its mmap threshold to that block's size (up to 32 MiB) and serves blocks
-# below it from its heap, which it trims only when more than twice the threshold lies free at
-# the top. So between and within steps the resident set may sit up to 2 x 32 MiB above what is
-# live, and never more than twice the largest temporary (bounded by the step's peak): that
-# much is set aside on a CPU as ``allocator``. Runs of the test batch came out 3-31 MB above
-# the measured peak without it.
+# glibc's malloc raises its mmap threshold to each large block it frees (up to 32 MiB) and
+# trims its heap only when twice that lies free at the top, so the resident set may sit up to
+# 2 x 32 MiB above what is live (and never above twice the step's peak): set aside on a CPU as
+# ``allocator``. Runs of the test batch came out 3-31 MB above the measured peak without it.
 CPU_HEAP_SLACK = 64 * 2**20
 
 
@@ -90,14 +70,10 @@ def describe_cache(kv_bytes: int, blocks: int, block_size: int, context_length: 
 
 @dataclass(frozen=True)
 class MemorySplit:
-    """How a budget is shared out, in bytes (the module docstring says what each part covers).
-
-    ``runtime``: what is resident besides the weights (the interpreter, torch, the tokenizer,
-    a draft model; on CUDA the context). ``activations``: the largest step's peak above that,
-    as measured. ``allocator``: what the C allocator may hold on top on a CPU
-    (:data:`CPU_HEAP_SLACK`). ``graphs``: what captured decode programs add (0 when steps run
-    eagerly). ``kv_cache``: the pool, ``(blocks + 1) * block_bytes``.
-    """
+    """How a budget is shared out, in bytes: ``runtime`` (what is resident besides the weights:
+    interpreter, libraries, a draft model, the CUDA context), ``activations`` (the largest
+    step's measured peak), ``allocator`` (:data:`CPU_HEAP_SLACK`), ``graphs`` (captured decode
+    programs) and ``kv_cache``, the pool with its pad block, ``(blocks + 1) * block_bytes``."""
 
     budget: int
     runtime: int
@@ -165,10 +141,8 @@ def plan(budget: int, *, runtime: int, weights: int, activations: int, allocator
 
 
 def weight_bytes(*models: nn.Module) -> int:
-    """Bytes of the tensors ``models`` hold (parameters and buffers, each storage once however
-    many of them share it). A model split over processes counts this rank's part (``local``).
-    A budgeted engine never runs packed weights (``EngineConfig.pack_weights`` says why), so
-    their copies need no counting here."""
+    """Bytes of the tensors ``models`` hold, each storage once however many share it (this
+    rank's part of a split model). A budgeted engine never packs weights: no copies to count."""
     storages: dict[int, int] = {}
     for model in models:
         module = getattr(model, "local", model)
@@ -237,16 +211,12 @@ def _peak(device: torch.device) -> int:
 def worst_steps(cfg: ModelConfig, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                 device: torch.device) -> tuple[SchedulerOutput, SchedulerOutput]:
     """The two largest steps the scheduler can build: a decode of ``max_num_seqs`` rows (or
-    ``max_num_batched_tokens``, if fewer), and a prefill of ``max_num_batched_tokens`` tokens
-    (in chunks of one sequence each, at most ``max_num_seqs`` of them).
+    ``max_num_batched_tokens``, if fewer), and a prefill of ``max_num_batched_tokens`` tokens.
 
-    Every row is as costly as a row can be. Each sits at the end of a full context, so its
-    attention reads ``context_length`` keys; a prefill chunk is ``context_length - 1`` tokens
-    at most, so it takes the masked attention path (a chunk that starts at position 0 takes the
-    cheaper causal one); and every row samples with ``top_k`` = the vocabulary, which sorts the
-    whole vocabulary, the dearest thing a request can ask of the sampler. All the sequences
-    share one block table: what they write over each other is never read, and the pool they
-    run on needs one sequence's blocks only.
+    Every row is as costly as a row can be: at the end of a full context, in a prefill chunk
+    that does not start at 0 (the masked attention path), sampling with ``top_k`` = the
+    vocabulary (a full sort). The sequences share one block table, so the pool needs one
+    sequence's blocks only; what they write over each other is never read.
     """
     ctx = cfg.context_length
     table = list(range(-(-ctx // block_size)))
@@ -270,18 +240,13 @@ def worst_steps(cfg: ModelConfig, block_size: int, max_num_seqs: int, max_num_ba
 @torch.inference_mode()
 def profile_peak(model: GPT, *, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  attention: str | AttentionKernels = "torch") -> tuple[int, int]:
-    """The memory the largest steps need above what is resident before them, as
-    ``(step_peak, decode_peak)`` in bytes, measured by running them (:func:`worst_steps`)
-    through a :class:`ModelRunner` over a throwaway pool of one sequence's blocks.
+    """The memory the largest steps (:func:`worst_steps`) need above what is resident before
+    them, as ``(step_peak, decode_peak)`` in bytes, measured over a throwaway pool.
 
-    Why run rather than count: a step's activations are easy to count, but what the sampler's
-    sort, the attention's gather buffer, a kernel's first call or a library's workspace take
-    is not, and a high-water mark sees all of it (on CUDA the allocator's, on a CPU the
-    resident set's). The decode runs first and the prefill after it, as in a server, whose
-    pool keeps the gather buffer of its widest decode between steps: ``step_peak`` is the mark
-    over both, ``decode_peak`` over the decode alone (what a CUDA graph's private memory
-    holds). The throwaway pool is allocated, and zero-filled, before the baseline is taken, so
-    it is not counted; what the first steps leave allocated for good (a library's caches) is.
+    Run rather than counted: a sort's temporaries, a gather buffer, a library's workspace are
+    hard to count, and a high-water mark sees them all. The decode runs first, as in a server
+    whose pool keeps its widest gather buffer; ``decode_peak`` is what a CUDA graph's private
+    memory holds. The pool is allocated before the baseline, so it is not counted.
     """
     cfg, device = model.cfg, model.device
     pool = PagedKVPool(cfg, -(-cfg.context_length // block_size), block_size, device, model.dtype)
@@ -300,15 +265,12 @@ def profile_peak(model: GPT, *, block_size: int, max_num_seqs: int, max_num_batc
 
 def measure(model: GPT, budget: str | int, *, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
             attention: str | AttentionKernels, graph_bytes: Callable[[int], int] | None) -> MemorySplit:
-    """The split of ``budget`` for an engine about to run ``model`` with those settings (its
-    ``EngineConfig``'s, and its attention backend).
+    """The split of ``budget`` for an engine about to run ``model`` with those settings.
 
-    ``graph_bytes`` says what captured decode programs will hold, given the measured decode
-    peak (:meth:`minillm.speedups.decode_graphs.Capture.graph_bytes`: a CUDA graph holds one
-    decode step's intermediates, a compiled CPU step a copy of the weights per bucket); None
-    when steps run eagerly. Inductor's own state once it has compiled (about 150 MB here) is
-    held before a CPU server's first request but after this split: leave room for it, or keep
-    a budgeted CPU server eager (its default).
+    ``graph_bytes`` says what captured decode programs will hold given the decode peak
+    (:meth:`minillm.speedups.decode_graphs.Capture.graph_bytes`), None when steps run eagerly.
+    Inductor's own state once compiled (about 150 MB here) comes after this split: a budgeted
+    CPU server stays eager by default.
     """
     device = model.device
     check_measurable(device)

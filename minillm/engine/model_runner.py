@@ -1,30 +1,21 @@
 """The model runner: turns the scheduler's decision for one step into tensors and tokens.
 
-For each scheduled chunk (a sequence and a run of its tokens to compute) it lays the tokens
-out flat, with their positions and the pool slots their keys and values go to, builds the
-block tables the attention reads through, runs the *same* ``GPT`` the training chapter built,
-once, and samples a token for every chunk that reaches the end of its sequence. The LM head,
-a ``d_model x 50,257`` matmul per token, runs only on those rows: a 200-token prompt pays for
-it once, not 200 times.
-
-It returns a list of tokens per chunk: none for a partial prefill, one for the others. (A
-speculative engine, chapter 14, wraps the runner to return the accepted drafts plus one more
-for a decode the scheduler gave lookahead slots: :mod:`minillm.speedups.speculative.speculator`.)
-
-What a request asks beyond a token comes from the same logits, in the same step, through the
-logits processors (:mod:`minillm.decoding.processors`: logprobs read the raw row, penalties and
-biases adjust it, a schema masks it, before sampling); prompt logprobs run the LM head over the
-prompt rows of its prefill, which every other request skips.
+It lays the scheduled chunks' tokens out flat, with their positions and the pool slots their
+keys and values go to, runs the *same* ``GPT`` the training chapter built, once, and samples a
+token for every chunk that reaches the end of its sequence: none for a partial prefill, one for
+the others. The LM head runs only on those rows, so a 200-token prompt pays for it once, not
+200 times. Logprobs, penalties, biases and schemas act on the same logits, in the same step,
+through the logits processors (:mod:`minillm.decoding.processors`).
 
 A step of decodes only, given :class:`DecodePrograms` (``build_engine`` hands in
-:class:`~minillm.speedups.decode_graphs.DecodeGraphs`), runs as a captured program instead (a
-CUDA graph, or Inductor's compiled code on a CPU); every other step, and every step of an
-engine without them, runs the eager path below, which is the reference.
+:class:`~minillm.speedups.decode_graphs.DecodeGraphs`), runs as a captured program instead;
+every other step runs the eager path below, which is the reference.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Protocol
 
 import torch
@@ -111,7 +102,7 @@ class ModelRunner:
         ordered = decodes + prefills
         tokens, positions, slots = self.flatten(ordered)
         attention = PagedAttention(
-            self.pool, slots, self.decode_groups(decodes), self._prefill_chunks(prefills, offset=len(decodes)),
+            self.pool, slots, self.decode_groups(decodes), self.prefill_chunks(prefills, offset=len(decodes)),
             backend=self.attention,
         )
         start = getattr(self.model, "launch", self.model.hidden_states)
@@ -123,7 +114,7 @@ class ModelRunner:
         is pipelined) to the logits of the rows that sample, and those to tokens."""
         output, ordered = step.output, step.ordered
         hidden = (step.hidden if isinstance(step.hidden, torch.Tensor) else step.hidden.wait())[0]
-        ends = torch.tensor(_cumulative_ends(ordered), device=self.device)
+        ends = torch.tensor(list(accumulate(c.num_tokens for c in ordered)), device=self.device)
         wanted = [i for i, c in enumerate(ordered) if c.samples]
         results = {id(c): ChunkOutput() for c in output.chunks}
         if wanted:
@@ -179,7 +170,8 @@ class ModelRunner:
             groups.append(DecodeGroup(start, start + len(members), as_tensor(tables), as_tensor(lengths)))
         return groups
 
-    def _prefill_chunks(self, prefills: list[ScheduledChunk], offset: int) -> list[PrefillChunk]:
+    def prefill_chunks(self, prefills: list[ScheduledChunk], offset: int = 0) -> list[PrefillChunk]:
+        """Each chunk's rows in the flat batch, from ``offset`` on, and the slots it attends over."""
         bs = self.pool.block_size
         chunks = []
         for c in prefills:
@@ -205,11 +197,3 @@ def _choose(seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | N
     else:
         tokens = sample(logits, params, [s.generator for s in seqs])
     return [ChunkOutput([token], lp) for token, lp in zip(tokens.tolist(), processed.logprobs(tokens))]
-
-
-def _cumulative_ends(chunks: list[ScheduledChunk]) -> list[int]:
-    ends, total = [], 0
-    for c in chunks:
-        total += c.num_tokens
-        ends.append(total)
-    return ends

@@ -1,33 +1,22 @@
 """Who runs this step: the ``Scheduler``.
 
 Continuous batching (chapter 7) decides afresh at every step which sequences go through the
-model. Paging (chapter 8) adds a second resource besides compute: KV blocks. Each step the
-scheduler builds one batch under three limits, ``max_num_seqs`` sequences running,
-``max_num_batched_tokens`` tokens computed, and the free blocks of the pool, as vLLM does:
+model; paging (chapter 8) adds KV blocks to compute as a resource. Each step builds one batch
+under ``max_num_seqs``, ``max_num_batched_tokens`` and the pool's free blocks, as vLLM does:
 
-1. Running sequences first, oldest first. Each needs one chunk: a decode (its last token,
-   the one just sampled, whose K/V is not computed yet) or, if its prompt is being prefilled
-   in pieces, the next piece. Each needs slots for the new tokens; when the pool runs dry,
-   the *newest* running sequence is preempted: its blocks are freed and it goes back to the
-   front of the queue, to be recomputed later over prompt + output so far (recompute is
-   cheaper than it sounds: a prefill is one big, efficient matrix multiply, and the prefix
-   cache often gives much of it back).
-2. Then, if nobody was preempted (memory is tight, so admitting more would only thrash),
-   waiting sequences in arrival order (FCFS) while the limits allow. Prefix-cache hits cost
-   no compute, so only the tokens after them count against the budget. With chunked prefill
-   a prompt larger than the remaining budget starts with a partial chunk. The first request
-   that does not fit stops admission: nobody overtakes it, so nobody starves.
+1. Running sequences first, oldest first, one chunk each (a decode, or the next piece of a
+   chunked prefill). When the pool runs dry the *newest* running sequence is preempted: its
+   blocks are freed and it waits at the front of the queue, to be recomputed over prompt +
+   output so far (a prefill is one efficient matmul, and the prefix cache gives much back).
+2. Then, unless someone was preempted (admitting more would only thrash), waiting sequences
+   in arrival order while the limits allow; prefix-cache hits cost no budget. The first that
+   does not fit stops admission: nobody overtakes it, so nobody starves.
+3. With speculative decoding, a lone decode also gets lookahead slots for its draft
+   (:meth:`Scheduler.reserve_lookahead`), so the scheduler stays the only one handing out blocks.
+4. An engine with several steps in flight (pipeline micro-batches, chapter 16) names the
+   sequences still in one (``busy``): neither scheduled again nor preempted.
 
-3. With speculative decoding on, a step whose whole batch is one decode also gets lookahead
-   slots for the draft tokens (:meth:`Scheduler.reserve_lookahead`), so the scheduler stays
-   the only one that hands out blocks.
-
-4. An engine that keeps several steps in flight (a pipeline's micro-batches, chapter 16)
-   names the sequences still in one: they are neither scheduled again nor preempted (their
-   keys are still being written), and it may cap a step's chunks to share them out.
-
-A request that could never run (an empty prompt, a prompt that fills the context, or one
-needing more blocks than the pool holds) is refused at :meth:`Scheduler.add`.
+A request that could never run is refused at :meth:`Scheduler.add`.
 """
 
 from __future__ import annotations
@@ -43,15 +32,11 @@ from minillm.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledChunk:
-    """Compute K/V for ``seq.token_ids[start : start + num_tokens]``, at positions
-    ``start .. start + num_tokens - 1``.
+    """Compute K/V for ``seq.token_ids[start : start + num_tokens]``.
 
-    ``samples``: this chunk ends at the sequence's last token, so its logits give the next
-    token. A decode chunk has ``num_tokens == 1``; a chunked prefill's earlier pieces do not
-    sample. It is fixed when the chunk is made, so it stays right after the engine appends.
-
-    ``num_lookahead``: slots reserved past the sequence's end for speculative decoding's draft
-    tokens (vLLM's lookahead slots), which the runner verifies in the same forward pass.
+    ``samples``: the chunk ends at the sequence's last token, so its logits give the next one
+    (fixed when the chunk is made, so it stays right after the engine appends).
+    ``num_lookahead``: slots reserved past the end for speculative decoding's draft tokens.
     """
 
     seq: Sequence
@@ -92,10 +77,8 @@ class RequestRejected(ValueError):
 
 class Scheduler:
     """Admission, the token budget and preemption by recompute, over one ``BlockAllocator``.
-
-    ``waiting`` is FCFS (preempted sequences re-enter at the front); ``running`` is in
-    admission order, so its last element is the newest, the first to be preempted.
-    """
+    ``waiting`` is FCFS (the preempted re-enter at the front); ``running`` is in admission
+    order, so its last element is the newest, the first to be preempted."""
 
     def __init__(
         self,
@@ -107,8 +90,6 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         num_lookahead_slots: int = 0,
     ) -> None:
-        """``num_lookahead_slots``: draft tokens a lone decode may verify per step (0: no
-        speculative decoding; see :meth:`reserve_lookahead`)."""
         if min(max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
             raise ValueError(
                 "max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1, got "
@@ -181,13 +162,9 @@ class Scheduler:
         return out
 
     def reserve_lookahead(self, out: SchedulerOutput) -> None:
-        """Room for draft tokens, when this step's whole batch is one decode.
-
-        Speculation pays only there: a batched step already spends the slack of a memory-bound
-        decode that drafts would spend (chapter 14). The draft is cut to what the request can
-        still use (each round emits the accepted drafts plus one token, within ``max_tokens``
-        and the context), and it is only ever given free blocks: no one is preempted for it.
-        """
+        """Room for draft tokens when this step's whole batch is one decode (where speculation
+        pays, chapter 14), cut to what the request can still use, and from free blocks only:
+        no one is preempted for a draft."""
         if len(out.chunks) != 1 or not out.chunks[0].is_decode:
             return
         chunk = out.chunks[0]
@@ -283,17 +260,12 @@ class Scheduler:
     # ------------------------------------------------------------------ after the model ran
 
     def postprocess(self, output: SchedulerOutput) -> list[Sequence]:
-        """Account for a step the engine has run (and whose sampled tokens it has appended,
-        finishing some sequences): advance each chunk's computed tokens, put newly full blocks
-        in the prefix cache, and retire finished sequences, freeing their blocks. Returns the
-        sequences that finished.
+        """Account for a step the engine has run and appended: advance each chunk's computed
+        tokens, put newly full blocks in the prefix cache, and retire (and return) the finished.
 
-        A chunk that sampled leaves every token of its sequence computed but the newest, which
-        is the next step's input; with speculation that includes the draft tokens accepted in
-        the same pass (the rejected ones' slots are simply written over later). A chunk that
-        did not sample (a piece of a prefill) advances by its size.
-
-        A sequence aborted while the step ran was already retired by :meth:`abort`: skipped.
+        A chunk that sampled leaves every token computed but the newest, the next step's input
+        (accepted draft tokens included; rejected ones' slots are written over later). A
+        sequence aborted while the step ran was already retired by :meth:`abort`: skipped.
         """
         finished = []
         for chunk in output.chunks:
@@ -314,9 +286,8 @@ class Scheduler:
         return finished
 
     def abort(self, request_id: Hashable, now: float) -> Sequence | None:
-        """Finish a waiting or running request with ``"abort"`` and free its blocks. Returns
-        it, or None if there is no such unfinished request (a request that has just finished
-        keeps its real finish reason; the next :meth:`postprocess` retires it)."""
+        """Finish a waiting or running request with ``"abort"`` and free its blocks; None if
+        there is no such unfinished request (one just finished keeps its real reason)."""
         seq = self._requests.get(request_id)
         if seq is None or seq.is_finished:
             return None

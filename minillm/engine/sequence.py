@@ -1,23 +1,10 @@
 """One request's state, from arrival to finish: the ``Sequence``.
 
-A request is a prompt plus the tokens generated so far, kept in one list, ``token_ids``, so
-that a sequence which has to be recomputed after a preemption is simply "a longer prompt". The
-rest is bookkeeping that the scheduler and the allocator need:
-
-- ``status``: WAITING (queued), RUNNING (holds KV blocks), PREEMPTED (queued again after its
-  blocks were taken back), FINISHED.
-- ``block_table``: the physical KV blocks holding this sequence's keys and values, in order.
-- ``num_computed_tokens``: how many leading tokens already have their K/V in those blocks.
-  Everything after them still has to go through the model.
-- timestamps, so the server can report queue time, time to first token and inter-token latency.
-- what the request owns while it lives: its detokenizer, its random generator, with
-  speculative decoding its drafter, and held to a schema its grammar. The sequence is the
-  request's one record: finishing a request is dropping this object, with nothing keyed by
-  its id left to clean up elsewhere.
-
-The one rule that is not bookkeeping, when to stop, is :meth:`SamplingParams.finish_reason`,
-which :meth:`Sequence.append_token` applies (with the schema's own end, which only a
-sequence knows).
+The prompt and the tokens generated so far are one list, ``token_ids``, so a sequence that is
+recomputed after a preemption is simply "a longer prompt". The rest is the scheduler's and the
+allocator's bookkeeping (status, block table, computed tokens), timestamps for the server's
+latencies, and what the request owns while it lives (detokenizer, random generator, grammar).
+The sequence is the request's one record: finishing a request is dropping this object.
 """
 
 from __future__ import annotations
@@ -25,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from minillm.decoding.sampling import FinishReason, SamplingParams
 
@@ -103,7 +90,6 @@ class Sequence:
     finish_time: float | None = None
     detokenizer: IncrementalDetokenizer | None = None  # set by the engine, which knows the tokenizer
     generator: torch.Generator | None = None  # None for greedy requests (see sampling.make_generator)
-    drafter: Any = None  # speculative decoding's per-request state, made on its first draft
     grammar: TokenGrammar | None = None  # with params.json_schema: which tokens may come next
     # With params.prompt_logprobs: entry j scores prompt token j + 1, filled in by the prefill
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)

@@ -1,26 +1,14 @@
 """The decode step as a captured program: fixed shapes, compiled or recorded once, replayed.
 
-An eager step runs the model one operation at a time: Python calls into PyTorch, which
-checks its arguments, picks a kernel and launches it, a few microseconds each, a few hundred
-times per step. At batch 1 on a small model that fixed cost is a large part of the step, and
-on a GPU it is most of it: the kernels are done before Python has launched the next one.
+An eager step pays a few microseconds of Python and dispatch per operation, a few hundred
+times per step: at batch 1 on a GPU, most of the step. A decode-only step padded to a bucket
+(1, 2, 4, 8, ...) and reading its inputs from buffers that never move has one of a handful of
+shapes, so it can be prepared once and replayed: on CUDA as a **CUDA graph** per bucket (as
+vLLM and nano-vllm do), on a CPU through **torch.compile** (Inductor fuses the elementwise
+chains and times two matrix kernels per shape, caching both in ``.cache/inductor``).
 
-A step that only decodes has almost the same shape every time: ``n`` sequences, one token
-each. Pad ``n`` up to a bucket (1, 2, 4, 8, ...) and read the step's inputs from buffers that
-never move (tokens, positions, KV slots, block tables ``[B, max blocks]``, lengths), and the
-step becomes a program with one of a handful of shapes, prepared once and replayed:
-
-- on CUDA, a **CUDA graph** per bucket, recorded at start-up (as vLLM and nano-vllm do): one
-  launch replays every kernel of the step, reading the buffers the runner has just refilled;
-- on a CPU, **torch.compile** (Inductor): the elementwise chains between the matrix products
-  (bias, GELU, residual adds, LayerNorm) fuse into a few C++ loops, the Python between
-  operations disappears, and each matrix product gets the faster of two kernels, timed on
-  this machine at the bucket's shape (:data:`CPU_INDUCTOR_CONFIG`). Inductor keeps its
-  compiled code and its timings on disk (``.cache/inductor``), so a second start skips both.
-
-Padding rows are real rows nobody reads: they write their keys and values into the pool's
-pad block, attend over one slot of it, and their tokens are dropped. The eager path stays
-the reference (``enforce_eager``, vLLM's name for it): greedy tokens must be identical.
+Padding rows write into the pool's pad block and their tokens are dropped. The eager path
+stays the reference (``enforce_eager``): greedy tokens must be identical.
 """
 
 from __future__ import annotations
@@ -40,14 +28,11 @@ from minillm.engine.scheduler import ScheduledChunk
 from minillm.model.gpt import GPT
 from minillm.settings import cache_dir
 
-# Inductor's settings for a CPU decode step. "freezing" makes the weights constants of the
-# program (a decode step never changes them), so that Inductor may lay them out for its own
-# kernels; max-autotune with the "CPP" GEMM backend then times, for every matrix shape of the
-# bucket, a matrix kernel Inductor generates for that shape against the library's, and keeps
-# the faster. On a 2-core AVX2 machine the generated kernel reads the weights of a batch-1 to
-# batch-8 step about 1.3x faster than oneDNN's packed one (chapter 12). The cost: a few
-# seconds of timing per shape at the first start, and each bucket holds the weights in its
-# kernels' layout. The timings are not printed (the last two keys).
+# Inductor's settings for a CPU decode step: "freezing" makes the weights constants it may lay
+# out for its own kernels; max-autotune with the "CPP" backend times its generated matrix
+# kernel against the library's per shape and keeps the faster (about 1.3x oneDNN's on a 2-core
+# AVX2 machine, chapter 12), at a few seconds per shape on first start and a weight copy per
+# bucket. The last two keys keep the timings quiet.
 CPU_INDUCTOR_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                        "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
 Program = Callable[[], tuple[torch.Tensor, torch.Tensor]]
@@ -89,12 +74,9 @@ class Capture:
     mode: str
 
     def graph_bytes(self, decode_peak: int) -> int:
-        """The memory the programs hold beside the engine's, before any is prepared. A CUDA
-        graph's private memory holds one decode step's intermediates for as long as the graph
-        lives: the measured ``decode_peak``. A compiled CPU step (Inductor with ``freezing``)
-        makes the weights constants of each bucket's program, laid out for its kernels: up to
-        one copy of the weights per bucket, an upper bound. Not counted: Inductor's own state
-        once it has compiled (its modules and caches, about 150 MB here)."""
+        """The memory the programs will hold beside the engine's: a CUDA graph keeps one decode
+        step's intermediates (``decode_peak``); a frozen compiled CPU step up to a copy of the
+        weights per bucket. Inductor's own state (about 150 MB here) is not counted."""
         if self.mode == "cuda-graph":
             return decode_peak
         return len(bucket_sizes(self.max_batch)) * weight_bytes(self.model)
@@ -123,13 +105,8 @@ class DecodeStep(nn.Module):
 
 class DecodeGraphs:
     """One prepared decode program per batch bucket, and the static buffers they all read.
-
-    ``run(decodes)`` pads the step to its bucket, refills the buffers and replays the
-    bucket's program (preparing it on first use); ``prepare()`` prepares every bucket up
-    front, as a server does at start-up, and returns the seconds it took. ``model`` is the
-    plain model: Inductor lays its weights out itself (``minillm.speedups.packed`` is for eager steps).
-    ``kernels``: attention kernels to run instead of the gather (``attention="triton"``).
-    """
+    ``model`` is the plain model (Inductor lays its weights out itself); ``kernels`` replace the
+    gather for ``attention="triton"``."""
 
     def __init__(self, model: GPT, pool: PagedKVPool, max_batch: int, kernels: AttentionKernels | None = None,
                  mode: str | None = None) -> None:
@@ -235,13 +212,10 @@ class DecodeGraphs:
 
 
 def capture_cuda_graph(fn: Program, pool: object | None) -> tuple[Program, object]:
-    """Record ``fn`` as a CUDA graph, using the graph memory ``pool`` (None: a new one), and
-    return a function that replays it and returns ``fn``'s outputs, and the pool.
-
-    ``fn`` runs twice first, on a side stream, so that what happens only once (cuBLAS
-    handles, Triton's autotuning, the allocator growing) happens outside the recording. A
-    recorded graph replays the same kernels on the same addresses: every input must already
-    be in the static buffers, and nothing in ``fn`` may ask the host for a value."""
+    """Record ``fn`` as a CUDA graph in the graph memory ``pool`` (None: a new one); returns
+    a function that replays it and returns ``fn``'s outputs, and the pool. ``fn`` runs twice
+    first, on a side stream, so one-time work (cuBLAS handles, Triton's autotuning) stays out
+    of the recording; it may not ask the host for a value."""
     with torch.inference_mode():
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

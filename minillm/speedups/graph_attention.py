@@ -1,21 +1,14 @@
 """Attention for a padded decode batch, as one opaque operator a compiler can carry whole.
 
-A captured decode step (:mod:`minillm.speedups.decode_graphs`) has fixed shapes: ``B`` rows
-(the batch padded up to a bucket), each with one new token, a slot for its key and value, a
-block table ``[B, W]`` wide enough for the longest sequence the model allows, and a length.
-This operator does one layer's paged attention for such a batch: it writes the new keys and
-values into their slots, then attends exactly as an eager decode does
-(:func:`~minillm.engine.kv_cache.gather_decode_attention`, masked past each row's length, its
-table padded with the pool's pad block), or through the kernels the engine was built with.
+A captured decode step (:mod:`minillm.speedups.decode_graphs`) has ``B`` rows padded to a
+bucket and block tables ``[B, W]`` as wide as the context allows. This operator writes one
+layer's new keys and values and attends as an eager decode does
+(:func:`~minillm.engine.kv_cache.gather_decode_attention`), or by the engine's kernels.
 
-It is also registered with ``torch.library`` (``padded_decode_op``) so that ``torch.compile``
-treats it as one node whose only side effect is writing the pool, instead of tracing into it. That lets it do one thing
-a traced graph could not: on a CPU it reads only as many blocks as the longest row needs
-(``trim``), a width that changes every few steps and would otherwise recompile the graph
-or force it to read the whole context every step. A CUDA graph cannot ask the device how
-long the longest row is without stopping the stream, so there it reads the full width
-(``trim=False``) or, with chapter 15's Triton kernels, lets the kernel stop at each row's own
-length.
+Registered with ``torch.library`` (``padded_decode_op``), it is one node to ``torch.compile``,
+so on a CPU it can read only the blocks the longest row needs (``trim``): traced, that width
+would recompile the graph every few steps. A CUDA graph cannot ask the device for it without
+stalling, so there it reads the full width, or lets a Triton kernel stop at each row's length.
 """
 
 from __future__ import annotations

@@ -1,31 +1,17 @@
 """Weights laid out for the CPU's matrix kernels: oneDNN's prepacked linear.
 
-A linear layer multiplies activations ``[B, in]`` by a weight stored ``[out, in]``. For the
-small ``B`` of decoding, PyTorch's default CPU product (MKL's ``sgemm`` on the weight as it is
-stored) reads that weight well below the memory's speed: on a 2-core AVX2 machine the LM
-head (``50,257 x 512``, 103 MB in fp32) takes 9 ms at batch 1 and 25 ms at batch 8, that is
-11 and 4 GB/s. oneDNN can reorder a weight once into the blocked layout its kernels stream
-through (``torch.ops.mkldnn._reorder_linear_weight``) and multiply by it directly
-(``_linear_pointwise``): the same head then takes 5 and 7 ms.
+At decoding's small batches PyTorch's default CPU product reads a weight well below memory
+speed: on a 2-core AVX2 machine the LM head (103 MB in fp32) takes 9 ms at batch 1 and 25 ms
+at batch 8. Reordered once into oneDNN's blocked layout it takes 5 and 7 ms.
 
-At one row a product is a matrix-vector product, and there the plainest kernel can win: each
-thread streams its own contiguous slab of the weight's rows as stored. Viewing the weight
-``[out, in]`` as ``[slabs, out / slabs, in]`` makes that one ``bmm`` whose batch the threads
-share (:func:`slabs_for`). On the same machine it reads a block's matrices alone 1.2-1.5x
-faster than oneDNN's packed kernel, and takes a whole batch-1 forward pass from 25.8 to
-22.0 ms (median of 12 interleaved rounds); from two rows on, the packed kernel is faster. On a
-2-core Xeon with AMX the slabs lost instead (a forward pass of the 50M model: 11.9 ms through
-oneDNN, 19.5 through the slabs), and there plain ``F.linear`` beat both on some shapes. So
-packing times the roads for one row on each weight shape and keeps the fastest
-(:func:`one_row_road`).
+At one row the plainest kernel can win instead: each thread streams its own slab of the
+weight's rows as stored, one ``bmm`` over ``[slabs, out / slabs, in]`` (:func:`slabs_for`),
+1.2-1.5x faster than oneDNN here, but slower on a Xeon with AMX, where plain ``F.linear`` beat
+both on some shapes. So packing times the roads for one row per shape (:func:`one_row_road`).
 
-:func:`pack_weights` returns the model the engine runs: a copy whose ``nn.Linear`` layers and
-tied output matrix use prepacked weights, and which shares every parameter tensor with the
-original (the packed copies are the only new memory, one more copy of the matrices). The
-product is :func:`packed_linear`. This is the eager path's layout: a compiled decode step
-(``minillm.speedups.decode_graphs``) starts from the plain model and lets Inductor lay the
-weights out for its own kernels. Only float32 on a CPU: oneDNN's bf16 kernels need AVX-512 or
-AVX-NE instructions, and on a GPU cuBLAS reads the weights as they are.
+:func:`pack_weights` returns a copy of the model that shares every parameter and multiplies
+through the packed copies (the only new memory). Eager steps only (a compiled step lets
+Inductor lay weights out), and float32 on a CPU only (oneDNN's bf16 needs AVX-512).
 """
 
 from __future__ import annotations
@@ -54,11 +40,9 @@ class PackedWeight:
     slabs: int
 
 
-# Packed copies by (address, shape) of the weight they were made from: two engines over one
-# model share one copy. The address cannot be reused by another tensor while a module holding
-# the weight is alive. Packing is a snapshot: a weight changed in place afterwards (training,
-# load_state_dict) leaves its packed copy stale (the slabs and the plain road read the weight
-# itself).
+# Packed copies by (address, shape) of their weight, so two engines over one model share one
+# (the address stays the weight's while a module holds it). A snapshot: a weight changed in
+# place afterwards leaves its packed copy stale.
 _PACKED: dict[tuple[int, tuple[int, ...]], PackedWeight] = {}
 
 
@@ -67,10 +51,9 @@ def _key(weight: torch.Tensor) -> tuple[int, tuple[int, ...]]:
 
 
 def slabs_for(out_features: int, threads: int) -> int:
-    """How many equal slabs of rows to cut a weight into so that ``threads`` threads share
-    them evenly: the smallest divisor of ``out_features`` that is at least ``threads`` and
-    leaves no thread more than 10% above the average (50,257 = 29 x 1,733 rows: 29 slabs,
-    15 and 14 to two threads); 1 if none does, which leaves the product on one thread."""
+    """How many equal slabs of rows ``threads`` threads share evenly: the smallest divisor of
+    ``out_features`` >= ``threads`` leaving no thread 10% above the average (50,257 rows: 29
+    slabs), else 1."""
     for slabs in range(max(threads, 1), 64):
         if out_features % slabs == 0 and -(-slabs // threads) * threads <= 1.1 * slabs:
             return slabs
@@ -116,10 +99,8 @@ _ONE_ROW: dict[tuple, str] = {}
 
 
 def one_row_road(weight: torch.Tensor, packed: torch.Tensor, slabs: int) -> str:
-    """How :func:`packed_linear` multiplies one row by ``weight``: ``"slabs"``, ``"packed"`` or
-    ``"plain"``, whichever :func:`time_one_row` found fastest for this shape (the slabs only
-    where ``slabs`` > 1 splits the rows). Which wins depends on the CPU and its matrix library,
-    not on the model, so it is timed once per shape and process."""
+    """How :func:`packed_linear` multiplies one row by ``weight``: whichever road
+    :func:`time_one_row` found fastest, timed once per shape and process (it depends on the CPU)."""
     key = (tuple(weight.shape), weight.dtype, torch.get_num_threads(), slabs)
     if key not in _ONE_ROW:
         seconds = time_one_row(weight, packed, slabs)
@@ -130,8 +111,7 @@ def one_row_road(weight: torch.Tensor, packed: torch.Tensor, slabs: int) -> str:
 @torch.inference_mode()
 def time_one_row(weight: torch.Tensor, packed: torch.Tensor, slabs: int, rounds: int = 7) -> dict[str, float]:
     """Median seconds of one row multiplied by ``weight`` on each road, over ``rounds``
-    interleaved rounds after one untimed call each (a few reads of the weight: milliseconds
-    for the largest). The slabs are left out where ``slabs`` is 1."""
+    interleaved rounds after one untimed call each (the slabs only where ``slabs`` > 1)."""
     out_features, in_features = weight.shape
     row = torch.randn(1, in_features, dtype=weight.dtype)
     roads = {"packed": lambda: torch.ops.mkldnn._linear_pointwise(row, packed, None, "none", [], ""),

@@ -1,28 +1,17 @@
 """Weight-only quantization: the GPT's matrices in int8 or int4, written here.
 
-A decode step reads every weight once and does two FLOPs with it (chapter 1), so at small
-batches its speed is set by how many bytes the weights take. Storing them in fewer bits cuts
-those bytes; the activations stay in floating point ("weight-only", W8A16 and W4A16).
+A small-batch decode step's speed is set by the bytes of its weights (chapter 1), so storing
+them in fewer bits pays while the activations stay in floating point (W8A16, W4A16).
 
-- **int8, per output channel.** Each row of ``W`` (one output feature) gets its own scale,
-  ``absmax(row) / 127``; the row is divided by it and rounded to an integer in [-127, 127].
-  The rounding error of any weight is at most half its row's scale.
-- **int4, group-wise.** Sixteen levels are too few for a whole row (one outlier would make
-  the step coarse for everything), so each run of ``group_size`` consecutive weights of a row
-  gets its own scale, ``absmax(group) / 7``, and the weights round to [-7, 7]. Stored as
-  ``q + 8`` in a nibble, two to a byte (:func:`pack_int4`).
+- **int8, per output channel**: each row gets its own scale, ``absmax(row) / 127``.
+- **int4, group-wise**: sixteen levels are too few for a whole row (one outlier would coarsen
+  it), so each run of ``group_size`` weights gets ``absmax(group) / 7``; stored as ``q + 8``,
+  two nibbles to a byte (:func:`pack_int4`).
 
-How the multiply runs is a separate choice from how the weights are stored. PyTorch ships
-weight-only kernels on the CPU (``aten._weight_int8pack_mm`` and
-``aten._weight_int4pack_mm_for_cpu``) that read the packed weights and scale on the fly; where
-one exists and agrees with our own dequantization, :class:`QuantLinear` uses it, otherwise it
-*dequantizes on the fly*: it rebuilds the float matrix and calls an ordinary matmul, which
-reads the small weights but then writes and reads a full-size float copy, so it can be slower
-than never quantizing. ``QuantLinear.kernel`` says which one runs.
-
-The token embedding is tied to the output matrix (``GPT.logits``), and in the small presets it
-is most of the weights, so it is quantized too, once: :class:`QuantEmbedding` looks rows up in
-the same packed matrix that the logits multiply reads.
+:class:`QuantLinear` multiplies through PyTorch's CPU weight-only kernel where one exists and
+agrees with our dequantization, and otherwise *dequantizes on the fly* (a full-size float copy
+per call, which can be slower than never quantizing). The tied token embedding, most of the
+small presets' weights, is quantized once: :class:`QuantEmbedding` reads the same matrix.
 """
 
 from __future__ import annotations
@@ -37,11 +26,10 @@ SCHEMES = ("int8", "int4")
 DEFAULT_GROUP_SIZE = 32
 INT8_MAX = 127
 INT4_MAX = 7  # symmetric: [-7, 7], stored as q + 8 in [1, 15]
-# When the fused CPU kernels pay (measured in chapter 13): with bf16 activations (their fp32 and
-# fp16 paths are many times slower here) and few rows (decode). Their time grows in proportion
-# to the rows, while dequantizing costs the same for any number, so for many rows (a prefill)
-# an ordinary matmul on a dequantized copy wins. The crossover measured on a shared 2-core CPU
-# moved between runs, from 16 to 128 rows by scheme; 64 keeps every decode batch fused.
+# When the fused CPU kernels pay (chapter 13): bf16 activations (their fp32 and fp16 paths are
+# many times slower) and few rows; their time grows with the rows, while dequantizing costs the
+# same for any, so a prefill dequantizes. The crossover moved from 16 to 128 rows between runs;
+# 64 keeps every decode batch fused.
 FUSED_DTYPE = torch.bfloat16
 FUSED_MAX_ROWS = 64
 QUANTIZED_DTYPE = torch.bfloat16  # a quantized model's activations unless told otherwise
@@ -111,13 +99,10 @@ def _nibbles_to_float(nibbles: torch.Tensor, scales: torch.Tensor, group_size: i
 
 
 # ----------------------------------------------------------------------------- aten's int4 CPU layout
-# aten._convert_weight_to_int4pack_for_cpu tiles the matrix for its kernel: blocks of rows, each
-# stored as [in, rows / 2] bytes, two rows' nibbles to a byte. The block and the pairing depend on
-# the vector width aten dispatches to on this CPU: 64 rows with rows d and d + 32 sharing a byte
-# on AVX-512, 32 rows with d and d + 16 on AVX2, 32 rows with 2d and 2d + 1 without vectors.
-# Knowing the layout lets the embedding look rows up in the kernel's own copy instead of keeping
-# a second one, so it is read off the packing itself (_aten_int4_tile) rather than assumed, and
-# _aten_int4_layout_ok checks the result on this machine before anything relies on it.
+# aten's int4 packing tiles the matrix in blocks of rows, [in, rows / 2] bytes each, two rows'
+# nibbles to a byte, paired by the CPU's vector width (64 rows on AVX-512, 32 on AVX2 and
+# without). The embedding looks rows up in the kernel's own copy, so the layout is read off the
+# packing itself (_aten_int4_tile) and checked on this machine (_aten_int4_layout_ok).
 
 
 _TILE_PROBE = torch.stack([torch.arange(128) % 16, torch.arange(128) // 16], dim=1).to(torch.int32)
@@ -218,14 +203,10 @@ KERNEL_NAMES = {
 
 
 class QuantLinear(nn.Module):
-    """``nn.Linear`` with int8 or int4 weights. The float parts (scales, bias) follow
-    ``module.to(dtype)``; the integer weights never change.
-
-    ``kernel`` is ``"fused"`` (PyTorch's weight-only kernel reads the packed weights, for bf16
-    inputs of up to ``FUSED_MAX_ROWS`` rows; others dequantize) or ``"dequantize"`` (rebuild the
-    float matrix, then an ordinary matmul). In int4 the two store their nibbles differently:
-    ours (:func:`pack_int4`) or aten's tiled CPU layout.
-    """
+    """``nn.Linear`` with int8 or int4 weights; the float parts (scales, bias) follow
+    ``module.to(dtype)``. ``kernel`` is ``"fused"`` (PyTorch's weight-only kernel, for bf16
+    inputs of up to ``FUSED_MAX_ROWS`` rows; int4 nibbles in aten's tiled layout) or
+    ``"dequantize"`` (rebuild the float matrix, then an ordinary matmul)."""
 
     def __init__(self, in_features: int, out_features: int, scheme: str, group_size: int, kernel: str,
                  qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -259,11 +240,6 @@ class QuantLinear(nn.Module):
                 scales = torch.stack([scales.T, torch.zeros_like(scales.T)], dim=-1).contiguous()
         bias = None if bias is None else bias.detach().clone()
         return cls(in_features, out_features, scheme, group_size, kernel, qweight, scales.to(dtype), bias)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, scheme: str, group_size: int = DEFAULT_GROUP_SIZE,
-                    kernel: str = "auto") -> "QuantLinear":
-        return cls.from_float(linear.weight, linear.bias, scheme, group_size, kernel)
 
     def row_scales(self) -> torch.Tensor:
         """Scales as ``[out]`` (int8) or ``[out, in / group_size]`` (int4), whatever the layout."""
@@ -325,10 +301,8 @@ class QuantLinear(nn.Module):
 
 class QuantEmbedding(nn.Module):
     """The tied token embedding, quantized once and used twice, with the contract of
-    ``minillm.model.gpt.TokenEmbedding``: ``forward`` looks token rows up (dequantizing only those
-    rows) and ``project`` is the output matrix's multiply, which ``GPT.logits`` calls. It has
-    no float ``weight``: code that wants the whole float matrix asks for
-    ``table.dequantized_weight()``, and pays for it knowingly."""
+    ``minillm.model.gpt.TokenEmbedding`` (lookup, and ``project`` for ``GPT.logits``). It has no
+    float ``weight``: ``table.dequantized_weight()`` builds one, knowingly."""
 
     def __init__(self, table: QuantLinear) -> None:
         super().__init__()
@@ -351,14 +325,14 @@ class QuantEmbedding(nn.Module):
 
 def quantize_model(model: nn.Module, scheme: str, group_size: int = DEFAULT_GROUP_SIZE,
                    kernel: str = "auto") -> nn.Module:
-    """Replace, in place, every ``nn.Linear`` of ``model`` and its tied token embedding (a GPT's
-    ``tok_emb``) with quantized versions; the float parts keep the model's dtype. Returns the
-    model. Quantize after moving the model to its device: the packing can depend on it."""
+    """Replace, in place, every ``nn.Linear`` of ``model`` and its tied ``tok_emb`` with quantized
+    versions, and return it. Quantize after moving the model: the packing depends on the device."""
     check_scheme(scheme)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, QuantLinear.from_linear(child, scheme, group_size, kernel))
+                quantized = QuantLinear.from_float(child.weight, child.bias, scheme, group_size, kernel)
+                setattr(parent, name, quantized)
     embedding = getattr(model, "tok_emb", None)
     if isinstance(embedding, nn.Embedding):
         model.tok_emb = QuantEmbedding(QuantLinear.from_float(embedding.weight, None, scheme, group_size, kernel))
@@ -366,9 +340,8 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = DEFAULT_GROU
 
 
 def cast_and_quantize(model: nn.Module, dtype: torch.dtype | None, scheme: str | None) -> nn.Module:
-    """What the engine and server do with ``dtype`` and ``quantize``: without a scheme, just the
-    cast; with one, quantize from the weights as trained, then cast the float parts to ``dtype``,
-    which defaults to bf16 because that is the input the fused kernels are fast on."""
+    """What the engine does with ``dtype`` and ``quantize``: the cast, or quantize from the weights
+    as trained, then cast the float parts to ``dtype`` (bf16 by default: the fused kernels' input)."""
     if scheme is None:
         return model.to(dtype=dtype)
     quantize_model(model, check_scheme(scheme))

@@ -1,15 +1,9 @@
 """A FlashAttention forward kernel in Triton: ``tiled_attention``'s loop, one program per tile.
 
-The grid has one program for every block of ``BLOCK_M`` queries of every (batch, head). A
-program loads its query block into registers/shared memory once, then walks the keys and
-values ``BLOCK_N`` rows at a time, keeping the running maximum ``m_i``, the running sum
-``l_i`` and the fp32 accumulator ``acc`` on chip, and writes its ``BLOCK_M x d`` output once
-at the end. The ``T_q x T_k`` scores never exist in memory (Dao et al., 2022; the loop order,
-queries outside and keys inside, is FlashAttention-2's).
-
-Inputs may be fp16, bf16 or fp32; products accumulate in fp32. Triton's interpreter computes
-``tl.dot`` wrongly on bf16 operands (triton 3.9), so when interpreting, the kernel casts its
-tiles to fp32 first (``UPCAST``); on a GPU they stay in the input dtype for the tensor cores.
+One program per ``BLOCK_M`` queries of each (batch, head) keeps ``m_i``, ``l_i`` and the fp32
+``acc`` on chip while keys and values stream past ``BLOCK_N`` rows at a time (Dao et al., 2022;
+FlashAttention-2's loop order). Triton's interpreter computes ``tl.dot`` wrongly on bf16
+(triton 3.9), so when interpreting the tiles go to fp32 first (``UPCAST``).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Paged decode attention in Triton: one new token per sequence, keys and values read in place.
 
-The engine's PyTorch path (``minillm.engine.kv_cache``) first *gathers* each sequence's
-blocks side by side, then attends over the copy: the cache crosses memory three times
-(read, write the copy, read the copy). This kernel follows the block table itself, as vLLM's
-PagedAttention does (Kwon et al., 2023): program ``(b, h)`` looks up sequence ``b``'s blocks
-one by one, loads that block's slots for head ``h`` straight from the pool, and folds them
-into the online softmax of ``tiled_attention``. The cache is read once, and nothing is copied.
-
-With a single query row there is no matrix product worth a tensor core: scores are a dot
-product per slot, done as a multiply and a row sum in fp32, which also sidesteps the
-interpreter's bf16 ``tl.dot`` problem.
+Where the engine's PyTorch path gathers each sequence's blocks before attending (the cache
+crosses memory three times), program ``(b, h)`` follows sequence ``b``'s block table, as vLLM's
+PagedAttention does, folding each block into ``tiled_attention``'s online softmax: the cache is
+read once. One query row needs no tensor core: scores are a multiply and a row sum in fp32.
 """
 
 from __future__ import annotations
@@ -59,14 +53,9 @@ def paged_decode_kernel(
 def paged_decode_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor, lengths: torch.Tensor
 ) -> torch.Tensor:
-    """Attention of one query per sequence over its cached keys and values.
-
-    ``q`` is ``[B, H, d]``; ``k_pool`` and ``v_pool`` are one layer of the pool,
-    ``[num_blocks, block_size, H, d]``; ``block_tables`` is ``[B, W]`` block ids (entries past a
-    sequence's length are never read); ``lengths`` is ``[B]``, each sequence's cached positions
-    including the new token's, between 1 and ``W * block_size`` (not checked here: reading the
-    values back from a GPU would stall every call). Returns ``[B, H, d]``.
-    """
+    """Attention of one query per sequence over its cached keys and values, with
+    :func:`~minillm.engine.kv_cache.gather_decode_attention`'s arguments. ``lengths`` are not
+    checked: reading them back from a GPU would stall every call."""
     if q.dim() != 3 or k_pool.dim() != 4 or k_pool.shape != v_pool.shape or k_pool.shape[2:] != q.shape[1:]:
         raise ValueError(f"expected q [B, H, d] and pools [blocks, block_size, H, d]; got "
                          f"{tuple(q.shape)}, {tuple(k_pool.shape)}, {tuple(v_pool.shape)}")

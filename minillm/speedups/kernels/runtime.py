@@ -1,18 +1,11 @@
 """Where the Triton kernels can run, decided once, before any kernel is defined.
 
-Triton compiles kernels for a GPU. Without one it can still *interpret* them: with
-``TRITON_INTERPRET=1`` in the environment, ``@triton.jit`` (triton 3.x reads the variable when
-the decorator runs, i.e. when a kernel module is imported) returns a function that executes
-each program of the grid in Python with NumPy, on CPU tensors. It is slow, thousands of times
-slower than a GPU, and exact enough to prove a kernel correct, which is what CI and the
-book's CPU runs need.
-
-Triton's own library functions (``tl.sum``, ``tl.max``...) are kernels too, decorated when
-``triton`` is first imported, so the variable must be set before *that*, not merely before our
-kernels. The choice made here: importing this module (which ``import minillm.speedups.kernels`` does)
-sets ``TRITON_INTERPRET=1`` when PyTorch sees no CUDA device and the variable is unset. An
-explicit ``TRITON_INTERPRET`` (``0`` or ``1``) always wins. Code that imports ``triton`` itself
-should import ``minillm.speedups.kernels`` first.
+Without a GPU Triton can *interpret* its kernels (``TRITON_INTERPRET=1``): in Python, on CPU
+tensors, thousands of times slower and exact enough for CI and the book's CPU runs. Triton's
+own ``tl.*`` functions are decorated when ``triton`` is first imported, so the variable must be
+set before *that*: importing this module (as ``import minillm.speedups.kernels`` does) sets it
+when PyTorch sees no CUDA device and it is unset. Import ``minillm.speedups.kernels`` before
+``triton``.
 """
 
 from __future__ import annotations

@@ -10,10 +10,7 @@ of value rows, so attention can stream keys and values past a block of queries a
 more than one block of scores (Rabe and Staats, 2021; Dao et al., FlashAttention, 2022).
 
 :func:`tiled_attention` is that loop with Python ``for`` statements where a GPU kernel has
-thread blocks. It is slow, and it is meant to be read: the Triton kernel in
-``minillm.speedups.kernels.flash_triton`` is the same loop, line for line. Both it and
-:func:`naive_attention` can report the bytes they move to a
-:class:`~minillm.speedups.kernels.traffic.TrafficCounter`.
+thread blocks: slow, and meant to be read beside the Triton kernel (``flash_triton``).
 """
 
 from __future__ import annotations

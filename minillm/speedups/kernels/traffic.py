@@ -1,18 +1,10 @@
 """How many bytes attention moves between main memory (HBM) and the chip, in closed form.
 
-A GPU computes far faster than its main memory can feed it (chapter 1's ridge point), so an
-attention layer's speed is set less by its FLOPs than by the bytes it reads and writes.
-This module counts those bytes for the two ways of computing attention:
-
-- *naive*: three separate kernels, each a round trip through memory. ``S = Q K^T`` writes
-  a ``T_q x T_k`` score matrix; the softmax reads it and writes ``P`` of the same size;
-  ``O = P V`` reads ``P`` back. The two square matrices dominate once ``T`` passes ``d``.
-- *tiled* (FlashAttention): each block of ``block_q`` query rows stays on chip while every
-  block of keys and values it needs streams past it once. Nothing square ever reaches
-  memory; the price is that keys and values are read once per query block.
-
-:class:`TrafficCounter` is the same bookkeeping done by running code: ``minillm.speedups.kernels.tiled``
-calls it on every load and store, and the tests check the formulas here against it.
+An attention layer's speed is set less by its FLOPs than by its bytes (chapter 1's ridge).
+*Naive* attention is three kernels whose two ``T_q x T_k`` intermediates round-trip through
+memory; *tiled* (FlashAttention) keeps a query block on chip while keys and values stream
+past, once per query block, and nothing square reaches memory. :class:`TrafficCounter` does
+the same bookkeeping by running code, and the tests check these formulas against it.
 """
 
 from __future__ import annotations
@@ -60,10 +52,8 @@ class TrafficCounter:
 def naive_kernels(
     t_q: int, t_k: int, head_dim: int, *, heads: int = 1, batch: int = 1, dtype_bytes: int = 2
 ) -> list[tuple[str, int, Traffic]]:
-    """Naive attention's three kernels as ``(name, FLOPs, Traffic)``: ``S = Q K^T`` reads Q and K
-    and writes S; the softmax reads S and writes P; ``O = P V`` reads P and V and writes O.
-    Scores are stored in the inputs' dtype, as PyTorch's matmul does. The softmax is counted
-    as five FLOPs an entry (max, subtract, exp, sum, divide)."""
+    """Naive attention's three kernels as ``(name, FLOPs, Traffic)``, scores stored in the
+    inputs' dtype, as PyTorch's matmul does; the softmax counts five FLOPs an entry."""
     _check(t_q, t_k, head_dim, heads, batch, dtype_bytes)
     n, scores = heads * batch, t_q * t_k
     e = n * dtype_bytes
@@ -115,12 +105,8 @@ def tiled_bytes(
 
 
 def decode_bytes(kv_len: int, head_dim: int, *, heads: int = 1, dtype_bytes: int = 2, gathered: bool) -> Traffic:
-    """One new token attending over ``kv_len`` cached positions, in a paged cache.
-
-    ``gathered=True`` is the engine's PyTorch path: copy the sequence's blocks side by side
-    (read the keys and values, write the copy), then attend over the copy (read it again), so
-    the cache crosses memory three times. A paged kernel reads the blocks in place, once.
-    The query, the output and the handful of scores are noise next to the cache.
+    """One new token attending over ``kv_len`` cached positions, in a paged cache: the cache
+    crosses memory three times ``gathered`` (read, write the copy, read it) and once in place.
     """
     _check(1, kv_len, head_dim, heads, 1, dtype_bytes)
     kv = 2 * kv_len * head_dim * heads * dtype_bytes

@@ -1,15 +1,9 @@
 """The two drafters of speculative decoding (chapter 14): a small model, and a lookup.
 
-Both answer one question, ``propose(tokens, k, params, generator) -> Draft``: given the
-sequence so far, what are probably its next ``k`` tokens?
-
-- :class:`ModelDrafter` runs a smaller GPT, trained on the same corpus with the same
-  tokenizer, ``k`` times with its own KV cache. Its guesses are good where the text is
-  predictable, and it costs ``k`` small forward passes per round.
-- :class:`NgramDrafter` is prompt lookup decoding (Saxena, 2023): find the latest earlier
-  place where the sequence's last few tokens occurred, and propose what followed them there.
-  It costs no model at all, and wins when outputs repeat their input (copying names, code,
-  quotes); on fresh text it often has nothing to propose, and then the round is a plain step.
+Both answer ``propose(tokens, k, params, generator) -> Draft``: the sequence's likely next
+``k`` tokens. :class:`ModelDrafter` runs a smaller GPT with the same tokenizer, ``k`` small
+passes a round; :class:`NgramDrafter`, prompt lookup (Saxena, 2023), costs no model and wins
+where the output repeats its input.
 """
 
 from __future__ import annotations
@@ -23,13 +17,9 @@ from minillm.speedups.speculative.rule import Draft, distribution, draw
 
 
 class ModelDrafter:
-    """A draft model with a KV cache over one sequence.
-
-    The cache remembers which tokens it holds. Each ``propose`` keeps the longest prefix that
-    still matches the sequence (everything up to the first rejected draft token, after a
-    verification), feeds the rest, then drafts ``k`` tokens one forward pass at a time. So the
-    rollback after a rejection is implicit: a shorter cache length, found by comparison.
-    """
+    """A draft model with a KV cache over one sequence. Each ``propose`` keeps the cached
+    prefix that still matches the sequence (the rollback after a rejection, found by
+    comparison), feeds the rest, then drafts one forward pass at a time."""
 
     def __init__(self, model: GPT) -> None:
         self.model = model.eval()
@@ -72,12 +62,8 @@ class ModelDrafter:
 
 
 class NgramDrafter:
-    """Prompt lookup: propose what followed the latest earlier occurrence of the last n tokens.
-
-    Tries ``n = max_ngram`` down to ``min_ngram`` and takes the latest match that has ``k``
-    tokens after it (else the one with the most); longer matches are more specific, so their
-    continuations are likelier to be right. No match: no draft.
-    """
+    """Prompt lookup: propose what followed the latest earlier occurrence of the last n tokens,
+    longest ``n`` first (likelier right), preferring a match with ``k`` tokens after it."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:

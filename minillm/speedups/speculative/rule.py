@@ -1,27 +1,13 @@
 """Speculative decoding: a cheap drafter guesses ``k`` tokens, the target checks them in one pass.
 
-A decode step of a small model at batch 1 is memory-bound: it reads every weight to produce
-one token. Feeding the target ``k + 1`` tokens instead of one reads the same weights once, so
-it costs about the same, and yields the target's next-token distribution at every one of those
-positions. If a drafter (a smaller model, or a lookup in the text so far) guesses the next ``k``
-tokens, one target pass can confirm several of them at once.
-
-The acceptance rule (Leviathan, Kalman and Matias 2023; Chen et al. 2023) keeps the output
-distribution *exactly* the target's. At each drafted position, with ``p`` the target's and
-``q`` the drafter's distribution and ``x`` the drafted token:
-
-- accept ``x`` with probability ``min(1, p(x) / q(x))``;
-- on the first rejection, draw the replacement from ``max(0, p - q)``, normalised, and stop;
-- if all ``k`` are accepted, draw one bonus token from the target's distribution after them.
-
-Greedy decoding is the special case where both distributions are one-hot: accept while the
-draft equals the target's argmax, then emit the target's argmax. Either way every target pass
-yields at least one token, so speculation never produces fewer tokens per pass than plain
-decoding; what it can lose is the drafter's time.
-
-This module holds the rule (:func:`accept`), the counters (:class:`SpeculativeStats`) and the
-reference loop over two contiguous KV caches (:func:`generate_speculative`). The drafters
-are in :mod:`minillm.speedups.speculative.drafters`; the paged engine uses the same rule for batch-1 steps.
+A batch-1 decode step is memory-bound, so feeding the target ``k + 1`` tokens costs about what
+one does, and gives its distribution at every one of those positions. The acceptance rule
+(Leviathan, Kalman and Matias 2023; Chen et al. 2023) keeps the output distribution *exactly*
+the target's: with ``p`` the target's and ``q`` the drafter's distribution, accept each drafted
+``x`` with probability ``min(1, p(x) / q(x))``; on the first rejection draw from
+``max(0, p - q)``, normalised, and stop; if all ``k`` pass, draw a bonus token from ``p``.
+Greedy, both are one-hot: accept while the draft matches the argmax. Every pass yields at least
+one token; what speculation can lose is the drafter's time.
 """
 
 from __future__ import annotations
@@ -37,12 +23,8 @@ from minillm.decoding.sampling import SamplingParams, distribution
 
 @dataclass
 class Draft:
-    """Tokens a drafter proposes, and the distribution each was drawn from.
-
-    ``probs`` is ``[len(tokens), vocab]`` for a drafter that samples (a draft model at a
-    temperature). ``None`` means each token was chosen deterministically (a greedy draft model,
-    or a lookup in the text), so its distribution is one-hot at the token.
-    """
+    """Tokens a drafter proposes, and the distributions ``[len(tokens), vocab]`` they were
+    drawn from (``None``: chosen deterministically, one-hot at each token)."""
 
     tokens: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None
@@ -76,18 +58,14 @@ class SpeculativeStats:
 
     @property
     def acceptance_rate(self) -> float:
-        """Accepted draft tokens over drafted ones (0 when nothing was drafted). Not Leviathan
-        et al.'s ``alpha``: a round stops at its first rejection, so the tokens after it are
-        drafted but never judged, and this ratio falls with ``k`` even when ``alpha`` does not."""
+        """Accepted draft tokens over drafted ones. Not Leviathan et al.'s ``alpha``: tokens after
+        a rejection are never judged, so this falls with ``k`` even when ``alpha`` does not."""
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
     def per_position_acceptance(self) -> float:
-        """The probability that a drafted token is accepted given that every earlier one in its
-        round was: accepted tokens over the tokens the target judged (accepted ones plus one
-        rejection per round that had one). Under the model of independent acceptances with
-        probability ``alpha`` this is the maximum-likelihood estimate of ``alpha`` (0 when
-        nothing was judged)."""
+        """Accepted tokens over judged ones (accepted plus one rejection per round that had
+        one): the maximum-likelihood estimate of ``alpha`` for independent acceptances."""
         judged = self.accepted + self.rejections
         return self.accepted / judged if judged else 0.0
 
@@ -95,12 +73,6 @@ class SpeculativeStats:
     def tokens_per_pass(self) -> float:
         """Tokens produced per target forward pass; plain decoding has exactly 1."""
         return self.generated / self.target_passes if self.target_passes else 0.0
-
-    def as_dict(self) -> dict:
-        return {"target_passes": self.target_passes, "drafted": self.drafted, "accepted": self.accepted,
-                "generated": self.generated, "rejections": self.rejections,
-                "acceptance_rate": self.acceptance_rate, "per_position_acceptance": self.per_position_acceptance,
-                "tokens_per_pass": self.tokens_per_pass}
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -156,10 +128,8 @@ def rollback(cache: ContiguousKVCache, length: int) -> None:
 
 @torch.no_grad()
 def verify_logits(target: GPT, cache: ContiguousKVCache, last_token: int, draft: Draft) -> torch.Tensor:
-    """The target's logits at the last token and at every draft token, ``[len(draft) + 1,
-    vocab]``, in one forward over the cache: the single memory-bound pass that checks ``k``
-    guesses. Their keys and values are appended to the cache; :func:`rollback` drops the
-    rejected ones."""
+    """The target's logits at the last token and every draft token, ``[len(draft) + 1, vocab]``,
+    in one forward that appends their keys and values (:func:`rollback` drops the rejected)."""
     device = target.device
     tokens = torch.tensor([[last_token, *draft.tokens]], device=device)
     positions = torch.arange(cache.length, cache.length + tokens.shape[1], device=device)[None]
