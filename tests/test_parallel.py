@@ -14,7 +14,7 @@ from minillm.model.config import ModelConfig, get_preset
 from minillm.engine import LLM, EngineConfig, SamplingParams
 from minillm.model.gpt import GPT
 from minillm.distributed.tensor import (
-    allreduce_volume, check_tensor_parallel_size, shard_config, shard_gpt, shard_state_dict, weights_per_rank,
+    ShardedGPT, allreduce_volume, check_tensor_parallel_size, shard_config, shard_state_dict, weights_per_rank,
 )
 from minillm.distributed.tensor_measure import check_equivalence, measure_decode_step
 
@@ -76,7 +76,7 @@ def test_weights_per_rank_match_a_hand_count_for_the_cpu_preset():
 
 def test_weights_per_rank_count_what_a_real_shard_holds(model):
     for n in (2, 4):
-        shard = shard_gpt(model, 1, n)  # no group: built, never run
+        shard = ShardedGPT(TINY, 1, n)  # no group: built, never run
         held = sum(p.numel() * p.element_size() for p in shard.parameters())
         assert weights_per_rank(TINY, n, state=model.state_dict()).rank_bytes == held
 
@@ -106,7 +106,7 @@ def test_shards_have_the_right_shapes_and_tile_the_full_weights(model):
     assert torch.equal(proj, state["blocks.1.mlp.proj.weight"])
     # each rank's KV cache holds only its heads: half the bytes per token
     assert shard_config(TINY, 2).n_heads == 2 and shard_config(TINY, 2).head_dim == hd
-    assert shard_gpt(model, 1, 2).cfg == shard_config(TINY, 2)
+    assert ShardedGPT(TINY, 1, 2).cfg == shard_config(TINY, 2)
 
 
 def test_a_size_that_does_not_divide_the_heads_is_refused(model):

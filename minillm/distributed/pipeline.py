@@ -19,23 +19,12 @@ table on the last stage, as vLLM keeps, would hold the largest matrix twice.
 So rank 0 pays for the head, a ``vocab x d_model`` matmul: on the small presets it outweighs
 all the blocks. :func:`stage_layers` therefore splits by weight, not by layer count: rank 0
 counts the head, and takes as few blocks as keeps the heaviest stage light (at least one).
-
-Public API (chapter 16 uses these):
-
-- :func:`check_pipeline_parallel_size` (cfg, N): the ``ValueError`` naming the flag.
-- :func:`stage_layers` (cfg, N) -> one ``range`` of block indices per stage;
-  :func:`stage_weights` (cfg, layers) the matmul weights each stage reads per token.
-- :func:`stage_config` (cfg, layers): a stage's shape (its own number of layers), what its
-  KV pool is sized from; :func:`stage_state_dict` (state, layers, rank): its weights, with
-  its blocks renumbered from 0.
-- :func:`pipeline_volume` (cfg, N, dtype) -> :class:`PipelineVolume`: bytes per token.
-- :class:`PipelineStage`: one stage's module; :class:`PointToPoint` the counted send/recv.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -54,15 +43,11 @@ def check_pipeline_parallel_size(cfg: ModelConfig, size: int) -> None:
         )
 
 
-def _block_weights(cfg: ModelConfig) -> int:
-    return 12 * cfg.d_model**2
-
-
 def stage_weights(cfg: ModelConfig, layers: list[range]) -> list[int]:
     """The matmul weights each stage reads for every token: its blocks' ``12 d^2`` each, and
     on rank 0 the output matrix (``vocab x d``) as well."""
     head = cfg.vocab_size * cfg.d_model
-    return [len(r) * _block_weights(cfg) + (head if i == 0 else 0) for i, r in enumerate(layers)]
+    return [len(r) * 12 * cfg.d_model**2 + (head if i == 0 else 0) for i, r in enumerate(layers)]
 
 
 def stage_layers(cfg: ModelConfig, size: int) -> list[range]:
@@ -71,7 +56,7 @@ def stage_layers(cfg: ModelConfig, size: int) -> list[range]:
     With the head on rank 0 that gives rank 0 the fewest blocks; ties go to the earliest
     split (later stages a little heavier). A small exhaustive search: ``size * n_layers^2``."""
     check_pipeline_parallel_size(cfg, size)
-    n, head, block = cfg.n_layers, cfg.vocab_size * cfg.d_model, _block_weights(cfg)
+    n, head, block = cfg.n_layers, cfg.vocab_size * cfg.d_model, 12 * cfg.d_model**2
     # best[s][j]: the lightest heaviest-stage for blocks j.. over stages s.., with the cut
     best = [[(float("inf"), -1)] * (n + 1) for _ in range(size + 1)]
     best[size][n] = (0, n)
@@ -92,9 +77,7 @@ def stage_layers(cfg: ModelConfig, size: int) -> list[range]:
 
 def stage_config(cfg: ModelConfig, layers: range) -> ModelConfig:
     """A stage's shape: the model's, with only its own layers (what its KV pool holds)."""
-    return ModelConfig(vocab_size=cfg.vocab_size, context_length=cfg.context_length, d_model=cfg.d_model,
-                       n_layers=len(layers), n_heads=cfg.n_heads, dropout=cfg.dropout,
-                       layer_norm_eps=cfg.layer_norm_eps)
+    return replace(cfg, n_layers=len(layers))
 
 
 @dataclass(frozen=True)
@@ -111,7 +94,7 @@ class PipelineVolume:
 def pipeline_volume(cfg: ModelConfig, size: int, dtype: torch.dtype = torch.float32) -> PipelineVolume:
     """Bytes on the wire per token for ``cfg`` in ``size`` stages; zero for one stage."""
     check_pipeline_parallel_size(cfg, size)
-    message = cfg.d_model * torch.empty((), dtype=dtype).element_size()
+    message = cfg.d_model * dtype.itemsize
     hops = size if size > 1 else 0
     return PipelineVolume(stages=size, message_bytes=message, hops=hops, sent_per_token=hops * message)
 
@@ -136,7 +119,7 @@ class PointToPoint:
     """Sends and receives whole tensors to and from one stage's neighbours in ``group``,
     keeping count of the bytes sent and the seconds spent waiting to receive."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
         self.reset()
 
@@ -157,14 +140,29 @@ class PointToPoint:
         return out
 
 
+@dataclass
+class StageStats:
+    """One stage's counters since the last reset: seconds computing its blocks, seconds
+    waiting to receive its input, hidden states sent and their bytes, forwards run."""
+
+    rank: int
+    layers: range
+    busy_seconds: float
+    wait_seconds: float
+    sends: int
+    bytes_sent: int
+    forwards: int
+
+
 class PipelineStage(nn.Module):
     """Stage ``rank`` of ``size``: its blocks, plus the tables (rank 0) and the final
     LayerNorm (the last stage). :meth:`run` takes token ids on rank 0 and a hidden state
     elsewhere; the last stage returns normalised hidden states, which rank 0's :meth:`logits`
     turns into scores. ``cfg`` is the stage's shape (:func:`stage_config`), ``full_cfg`` the
-    whole model's."""
+    whole model's; ``link`` talks to its neighbours in ``group``."""
 
-    def __init__(self, cfg: ModelConfig, layers: range, rank: int, size: int) -> None:
+    def __init__(self, cfg: ModelConfig, layers: range, rank: int, size: int,
+                 group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.full_cfg, self.cfg = cfg, stage_config(cfg, layers)
         self.layers, self.rank, self.size = layers, rank, size
@@ -175,6 +173,8 @@ class PipelineStage(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(len(layers)))
         if self.is_last:
             self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.link = PointToPoint(group)
+        self.busy_seconds, self.forwards = 0.0, 0
 
     @property
     def device(self) -> torch.device:
@@ -185,28 +185,35 @@ class PipelineStage(nn.Module):
         return self.blocks[0].ln1.weight.dtype
 
     set_attention = GPT.set_attention
+    check_positions = GPT.check_positions
 
     def run(self, x: torch.Tensor, positions: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
         """This stage's part of ``GPT.hidden_states``: on rank 0 ``x`` is ``[batch, time]``
         token ids (embedded at ``positions``, ``0..time-1`` by default), elsewhere the
-        previous stage's ``[batch, time, d_model]`` output."""
+        previous stage's ``[batch, time, d_model]`` output. Counted in :meth:`stats`."""
+        start = time.perf_counter()
         if self.is_first:
             if positions is None:
                 positions = torch.arange(x.shape[1], device=x.device).expand_as(x)
             x = self.tok_emb(x) + self.pos_emb(positions)
         for block in self.blocks:
             x = block(x, cache)
-        return self.ln_f(x) if self.is_last else x
+        x = (self.ln_f(x) if self.is_last else x).contiguous()
+        if x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+        self.busy_seconds += time.perf_counter() - start
+        self.forwards += 1
+        return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Rank 0 only: the tied output matrix over the last stage's normalised states."""
         return self.tok_emb.project(hidden)
 
+    def stats(self) -> StageStats:
+        link = self.link
+        return StageStats(self.rank, self.layers, self.busy_seconds, link.wait_seconds, link.sends,
+                          link.bytes_sent, self.forwards)
 
-def build_stage(model: GPT, layers: list[range], rank: int) -> PipelineStage:
-    """Stage ``rank`` of ``model``, on its device and in its dtype, in eval mode, with its
-    attention implementation."""
-    size = len(layers)
-    stage = PipelineStage(model.cfg, layers[rank], rank, size).to(device=model.device, dtype=model.dtype)
-    stage.load_state_dict(stage_state_dict(model.state_dict(), layers[rank], rank, size))
-    return stage.set_attention(model.blocks[0].attn.impl).eval()
+    def reset(self) -> None:
+        self.busy_seconds, self.forwards = 0.0, 0
+        self.link.reset()

@@ -1,11 +1,4 @@
-"""Checking and timing pipeline parallelism on this machine: the functions chapter 16 calls.
-
-:func:`check_pipeline_equivalence` runs the paged engine over stages in processes and
-compares its greedy tokens with one process. :func:`measure_bubble` keeps 1, 2, 4... micro-
-batches in flight over the same decoding requests and reads each stage's counters: how long
-a round takes (every request one token further) and how much of it each stage computed.
-:func:`predict_utilisation` carries what that measured to more stages.
-"""
+"""Checking and timing pipeline parallelism on this machine: the functions chapter 16 calls."""
 
 from __future__ import annotations
 
@@ -18,7 +11,7 @@ import torch
 from minillm.engine.llm import LLM
 from minillm.model.gpt import GPT
 from minillm.decoding.sampling import SamplingParams
-from minillm.data.tokenizer import get_tokenizer
+from minillm.distributed.tensor_measure import max_logit_diff, prompt_ids
 
 
 @dataclass
@@ -43,8 +36,7 @@ def check_pipeline_equivalence(model: GPT, prompts: list[str] | list[list[int]],
     """Generate greedily from ``prompts`` in one process, then through the engine over
     ``stages`` processes with each number of ``micro_batches`` in flight; a small
     ``num_blocks`` forces preemption. Also the largest logit difference of a full forward."""
-    tokenizer = get_tokenizer()
-    ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    ids = prompt_ids(prompts)
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
     reference = [o.token_ids for o in LLM(model.eval(), pack_weights=False).generate(ids, params, use_tqdm=False)]
     tokens, preemptions, diff = {}, {}, 0.0
@@ -54,10 +46,7 @@ def check_pipeline_equivalence(model: GPT, prompts: list[str] | list[list[int]],
             preemptions[m] = llm.engine.stats().preemptions
             pipeline = llm.engine.model
             pipeline.reset_stats()
-            with torch.inference_mode():
-                for prompt in ids:
-                    x = torch.tensor([prompt], device=model.device)
-                    diff = max(diff, (pipeline(x) - model(x)).abs().max().item())
+            diff = max(diff, max_logit_diff(pipeline, model, ids))
             sent = sum(s.bytes_sent for s in pipeline.stage_stats()) / sum(map(len, ids))
     return PipelineEquivalence(stages, diff, reference, tokens, preemptions, sent)
 
@@ -73,9 +62,8 @@ def _decode_rounds(llm: LLM, batch: int, prompt_len: int, rounds: int, steps_per
                                params) for i in range(batch)]
     while min(s.num_output_tokens for s in seqs) < 2:
         engine.step()
-    reset = getattr(engine.model, "reset_stats", None)
-    if reset is not None:
-        reset()
+    if hasattr(engine.model, "reset_stats"):
+        engine.model.reset_stats()
     before, start = sum(s.num_output_tokens for s in seqs), time.perf_counter()
     for _ in range(rounds * steps_per_round):
         engine.step()

@@ -1,17 +1,14 @@
 """Pipeline parallelism with processes: rank 0 drives and holds stage 0, workers hold the rest.
 
-As with tensor parallelism, the scheduler, sampling and detokenizing stay on rank 0, and each
-worker learns a step's *layout* (slot mapping, block tables, masks) from a pipe (the shared
-bootstrap is :mod:`minillm.distributed.workers`). What differs is what flows between the
-ranks: no all-reduce, but one hidden state handed from stage to stage, point to point, and
-from the last stage home to rank 0 for the head.
+The bootstrap is tensor parallelism's (:mod:`minillm.distributed.workers`); what differs is
+what flows between the ranks: no all-reduce, but one hidden state handed from stage to stage,
+point to point, and from the last stage home to rank 0 for the head.
 
 :meth:`PipelineParallelGPT.launch` runs stage 0 and hands its output on, then returns at once
 with a :class:`PendingForward`; :meth:`PendingForward.wait` receives the result. Between the
 two, rank 0 is free to launch the next micro-batch, which is how :class:`PipelinedEngine`
 keeps every stage busy. Each stage works through micro-batches in the order they were
-launched, so the layouts on the pipes and the tensors on the links pair up without tags. ``hidden_states`` is the two together, for callers that
-want one forward at a time.
+launched, so the layouts on the pipes and the tensors on the links pair up without tags.
 
 A worker exits when its pipe closes (rank 0 stopped or died); a worker that dies closes its
 sockets, so its neighbours' next receive fails instead of waiting forever.
@@ -25,20 +22,17 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.distributed as dist
 
 from minillm.data.tokenizer import Tokenizer
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine, RequestOutput, Speedups
 from minillm.engine.model_runner import LaunchedStep
-from minillm.model.config import ModelConfig
 from minillm.model.gpt import GPT, KVCache
 from minillm.distributed.tensor import check_splittable
-from minillm.distributed.workers import Follower, ParallelModel, WorkerProcesses
+from minillm.distributed.workers import Follower, ParallelModel
 from minillm.distributed.pipeline import (
     PipelineStage,
-    PointToPoint,
-    build_stage,
+    StageStats,
     check_pipeline_parallel_size,
     stage_config,
     stage_layers,
@@ -46,54 +40,26 @@ from minillm.distributed.pipeline import (
 )
 
 
-@dataclass
-class StageStats:
-    """One stage's counters since the last reset: seconds computing its blocks, seconds
-    waiting to receive its input, hidden states sent and their bytes, forwards run."""
-
-    rank: int
-    layers: range
-    busy_seconds: float
-    wait_seconds: float
-    sends: int
-    bytes_sent: int
-    forwards: int
-
-
 class StageFollower(Follower):
     """A worker stage: for each launched forward, receive the previous stage's output, run its
-    blocks and send the result on (the last stage sends it home to rank 0), counting its time."""
+    blocks and send the result on (the last stage sends it home to rank 0)."""
 
-    def __init__(self, cfg: ModelConfig, layers: range, state: dict, impl: str, rank: int, size: int, group: dist.ProcessGroup,
-                 device: torch.device) -> None:
-        stage = PipelineStage(cfg, layers, rank, size).to(device, state["blocks.0.ln1.weight"].dtype)
-        stage.load_state_dict(state)
-        super().__init__(stage.set_attention(impl).eval())
-        self.link, self.device = PointToPoint(group), device
-        self.busy, self.forwards, self.sending = 0.0, 0, None
+    sending = None  # the previous forward's send
 
     def forward(self, payload: tuple) -> None:
         shape, layout = payload
-        stage, link = self.module, self.link
-        x = link.recv((*shape, stage.full_cfg.d_model), stage.dtype, self.device, stage.rank - 1)
-        start = time.perf_counter()
-        out = stage.run(x, None, self.caches.build(layout)).contiguous()
-        if out.device.type == "cuda":
-            torch.cuda.synchronize(out.device)
-        self.busy += time.perf_counter() - start
-        self.forwards += 1
+        stage = self.module
+        x = stage.link.recv((*shape, stage.full_cfg.d_model), stage.dtype, stage.device, stage.rank - 1)
+        out = stage.run(x, None, self.caches.build(layout))
         if self.sending is not None:
             self.sending.wait()  # the previous output has left: its buffer may go
-        self.sending = link.send(out, (stage.rank + 1) % stage.size)
+        self.sending = stage.link.send(out, (stage.rank + 1) % stage.size)
 
     def stats(self, _: None) -> StageStats:
-        link = self.link
-        return StageStats(self.module.rank, self.module.layers, self.busy, link.wait_seconds, link.sends,
-                          link.bytes_sent, self.forwards)
+        return self.module.stats()
 
     def reset(self, _: None) -> None:
-        self.busy, self.forwards = 0.0, 0
-        self.link.reset()
+        self.module.reset()
 
 
 @dataclass
@@ -106,14 +72,28 @@ class PendingForward:
     sending: object | None  # that send (None with a single stage)
 
     def wait(self) -> torch.Tensor:
-        return self.owner._receive(self)
+        owner = self.owner
+        if not owner._in_flight or owner._in_flight[0] is not self:
+            raise RuntimeError("pipelined forwards must be waited for in the order they were launched")
+        owner._in_flight.pop(0)
+        if self.sending is None:
+            return self.output
+        link = owner.local.link
+        try:
+            start = time.perf_counter()
+            self.sending.wait()
+            link.wait_seconds += time.perf_counter() - start
+            shape = (*self.shape, owner.full_cfg.d_model)
+            return link.recv(shape, owner.dtype, owner.device, owner.num_stages - 1)
+        except RuntimeError as err:  # a peer's socket closed under us
+            exits = ", ".join(f"{p.name} exit {p.exitcode}" for p in owner.workers.processes)
+            raise RuntimeError(f"a pipeline stage has exited: {exits} ({err})") from None
 
 
 class PipelineParallelGPT(ParallelModel):
     """A ``GPT`` whose blocks are split into ``size`` stages (:func:`stage_layers`), stage 0
-    (``local``) in this process and one worker process per other stage, with ``threads`` CPU
-    threads each (by default this process's share); used from rank 0 as a ``GPT`` (see
-    :class:`~minillm.distributed.workers.ParallelModel`).
+    (``local``) in this process and one worker process of ``threads`` threads per other stage;
+    used from rank 0 as a ``GPT`` (see :class:`~minillm.distributed.workers.ParallelModel`).
 
     ``cfg`` is stage 0's shape (its own layers; the engine's pool on rank 0 holds only those),
     ``largest_stage_cfg`` the shape with the most layers, from which every stage's number of
@@ -124,28 +104,16 @@ class PipelineParallelGPT(ParallelModel):
 
     def __init__(self, model: GPT, size: int, *, threads: int | None = None) -> None:
         check_pipeline_parallel_size(model.cfg, size)
-        check_splittable(model, "pipeline_parallel_size (--pipeline-parallel-size)")
+        option = "pipeline_parallel_size (--pipeline-parallel-size)"
+        check_splittable(model, option)
         self.layers = stage_layers(model.cfg, size)
-        self.size, self.full_cfg = size, model.cfg
+        self.num_stages, self.full_cfg = size, model.cfg
         self.largest_stage_cfg = stage_config(model.cfg, max(self.layers, key=len))
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        impl = model.blocks[0].attn.impl
-        builders = [partial(StageFollower, model.cfg, self.layers[rank],
-                            stage_state_dict(state, self.layers[rank], rank, size), impl) for rank in range(1, size)]
-        self.workers = WorkerProcesses("pipeline stage", "pipeline_parallel_size (--pipeline-parallel-size)",
-                                       "minillm-pp-stage", model.device, builders, threads)
-        try:
-            self.link = None if size == 1 else PointToPoint(self.workers.group)
-            self.local = build_stage(model, self.layers, 0)
-        except BaseException:
-            self.close()
-            raise
+        states = [stage_state_dict(state, layers, rank, size) for rank, layers in enumerate(self.layers)]
+        parts = [partial(PipelineStage, model.cfg, layers) for layers in self.layers]
+        self._start(model, StageFollower, parts, states, "pipeline stage", option, threads)
         self._in_flight: list[PendingForward] = []
-        self.busy_seconds, self.forwards = 0.0, 0
-
-    @property
-    def num_stages(self) -> int:
-        return self.size
 
     def launch(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                cache: KVCache | None = None) -> PendingForward:
@@ -158,58 +126,24 @@ class PipelineParallelGPT(ParallelModel):
         if positions is None and tokens.shape[1] > self.full_cfg.context_length:
             raise ValueError(f"{tokens.shape[1]} tokens are beyond the model's context of {self.full_cfg.context_length}")
         layout = self.layout(cache)
-        shape = tuple(tokens.shape)
-        start = time.perf_counter()
-        out = self.local.run(tokens, positions, cache).contiguous()
-        if out.device.type == "cuda":
-            torch.cuda.synchronize(out.device)
-        self.busy_seconds += time.perf_counter() - start
-        self.forwards += 1
-        self.workers.send(("forward", (shape, layout)))
-        pending = PendingForward(self, shape, out, None if self.size == 1 else self.link.send(out, 1))
-        self._in_flight.append(pending)
-        return pending
-
-    def _receive(self, pending: PendingForward) -> torch.Tensor:
-        if not self._in_flight or self._in_flight[0] is not pending:
-            raise RuntimeError("pipelined forwards must be waited for in the order they were launched")
-        self._in_flight.pop(0)
-        if self.size == 1:
-            return pending.output
-        try:
-            start = time.perf_counter()
-            pending.sending.wait()
-            self.link.wait_seconds += time.perf_counter() - start
-            return self.link.recv((*pending.shape, self.full_cfg.d_model), self.dtype, self.device, self.size - 1)
-        except RuntimeError as err:  # a peer's socket closed under us
-            raise RuntimeError(f"a pipeline stage has exited: {self.workers.exit_codes()} ({err})") from None
+        out = self.local.run(tokens, positions, cache)
+        self.workers.send(("forward", (tuple(tokens.shape), layout)))
+        sending = None if self.num_stages == 1 else self.local.link.send(out, 1)
+        self._in_flight.append(PendingForward(self, tuple(tokens.shape), out, sending))
+        return self._in_flight[-1]
 
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                       cache: KVCache | None = None) -> torch.Tensor:
         """The final normalised hidden states, one forward through every stage."""
         return self.launch(tokens, positions, cache).wait()
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                 cache: KVCache | None = None) -> torch.Tensor:
-        if positions is not None and positions.numel() and int(positions.max()) >= self.full_cfg.context_length:
-            raise ValueError(f"position {int(positions.max())} is beyond the model's context of "
-                             f"{self.full_cfg.context_length} tokens")
-        return self.logits(self.hidden_states(tokens, positions, cache))
-
-    # -- counters
-
     def stage_stats(self) -> list[StageStats]:
         """Every stage's counters, rank 0 first. Rank 0's wait is its time in :meth:`wait`."""
-        link = self.link
-        ours = StageStats(0, self.layers[0], self.busy_seconds, link.wait_seconds if link else 0.0,
-                          link.sends if link else 0, link.bytes_sent if link else 0, self.forwards)
         self.workers.send(("stats", None))
-        return [ours] + [conn.recv() for conn in self.workers.conns]
+        return [self.local.stats()] + [conn.recv() for conn in self.workers.conns]
 
     def reset_stats(self) -> None:
-        self.busy_seconds, self.forwards = 0.0, 0
-        if self.link is not None:
-            self.link.reset()
+        self.local.reset()
         self.workers.send(("reset", None))
 
 

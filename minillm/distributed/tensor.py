@@ -23,48 +23,12 @@ big for one GPU fit on N. The other half is speed on GPUs joined by a fast link:
 reads only 1/N of the *block* weights per step (the replicated output matrix it reads
 whole: see :func:`weights_per_rank`), and a memory-bound decode step shrinks with them, until
 the all-reduces' fixed latency, paid ``2 * n_layers`` times a step, dominates.
-
-Public API (the chapter uses these):
-
-- :func:`check_tensor_parallel_size` (cfg, N): the ``ValueError`` for a size that does not
-  divide the heads; :func:`check_splittable` (model) the one for a quantized model.
-- :func:`shard_config` (cfg, N): one rank's slice as a ``ModelConfig`` (what its caches hold).
-- :func:`allreduce_volume` (cfg, N, dtype) -> :class:`AllReduceVolume`: bytes on the wire per
-  token, per layer and per model, counting a ring all-reduce (each rank sends ``2 (N - 1) / N``
-  times the ``d_model``-number message, twice per block).
-- :func:`weights_per_rank` (cfg, N, dtype, state=None) -> :class:`RankWeights`: the bytes of
-  weights one rank holds and reads per decode step, against the whole model. The blocks are
-  split 1/N, but the tied token table / output matrix is replicated, so for a model whose head
-  is large (the cpu preset's is 84% of it) each rank reads far more than 1/N.
-- :func:`shard_state_dict` (state, cfg, r, N) and :func:`shard_gpt` (model, r, N, group):
-  rank r's weights, and rank r's model.
-- :class:`ShardedGPT`: one rank's model; the same ``hidden_states`` / ``logits`` /
-  ``forward`` and KV-cache protocol as :class:`minillm.model.gpt.GPT`; its ``allreduce`` counts
-  the ``calls``, ``bytes`` and ``seconds`` of its communication (``reset()`` to restart).
-- :func:`rendezvous` and :func:`make_group`: a gloo (CPU) or NCCL (CUDA) group of one's own.
-
-Built on these, in modules of their own that import this one (never the other way):
-
-- :class:`minillm.distributed.tensor_workers.TensorParallelGPT` (model, N): rank 0 in this process, N - 1 worker processes;
-  used as a ``GPT`` (``generate_kv_cache(tp, ...)``, ``LLMEngine(tp)``); ``close()`` or
-  ``with``. ``LLM(..., tensor_parallel_size=N)`` and ``python -m server
-  --tensor-parallel-size N`` build one.
-- :func:`minillm.distributed.tensor_measure.check_equivalence` (model, prompts, N=2, max_new_tokens=20) -> :class:`Equivalence`:
-  ``max_abs_logit_diff`` vs the unsplit model, greedy ``reference_tokens``,
-  ``parallel_tokens`` (contiguous KV cache) and ``engine_tokens`` (paged engine), and
-  ``tokens_identical``.
-- :func:`minillm.distributed.tensor_measure.measure_decode_step` (model, N=2, batches=(1, 8), context=128, steps=20, threads=1)
-  -> one dict per batch size: ``batch``, ``single_ms``, ``tp_ms``, ``allreduce_ms``,
-  ``compute_ms``, ``allreduce_share``, ``allreduces_per_step``, ``allreduce_us_each``
-  (medians per decode step, gloo on CPU processes), and the quartiles ``single_q1_ms``,
-  ``single_q3_ms``, ``tp_q1_ms``, ``tp_q3_ms`` of the two step times.
 """
 
 from __future__ import annotations
 
-import datetime
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -103,15 +67,7 @@ def shard_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
     """The shape of one rank's slice: ``n_heads / N`` heads of the same ``head_dim``. A KV cache
     sized from it holds only this rank's keys and values."""
     check_tensor_parallel_size(cfg, world_size)
-    return ModelConfig(
-        vocab_size=cfg.vocab_size,
-        context_length=cfg.context_length,
-        d_model=cfg.d_model // world_size,
-        n_layers=cfg.n_layers,
-        n_heads=cfg.n_heads // world_size,
-        dropout=cfg.dropout,
-        layer_norm_eps=cfg.layer_norm_eps,
-    )
+    return replace(cfg, d_model=cfg.d_model // world_size, n_heads=cfg.n_heads // world_size)
 
 
 # ----------------------------------------------------------------------------- volume
@@ -138,7 +94,7 @@ def allreduce_volume(cfg: ModelConfig, world_size: int, dtype: torch.dtype = tor
     """Bytes on the wire per token for ``cfg`` split over ``world_size`` ranks in ``dtype``,
     counting a ring all-reduce; zero for one rank, which sends nothing."""
     check_tensor_parallel_size(cfg, world_size)
-    message = cfg.d_model * torch.empty((), dtype=dtype).element_size()
+    message = cfg.d_model * dtype.itemsize
     per_layer = 2 * (2 * (world_size - 1) * message // world_size)
     return AllReduceVolume(
         world_size=world_size,
@@ -171,11 +127,6 @@ class RankWeights:
     rank_read_bytes: int  # what one rank reads per decode step
     replicated_bytes: int  # of rank_bytes, what every rank holds in full
     embedding_bytes: int  # the tied token table / output matrix, replicated on every rank
-
-    @property
-    def held_share(self) -> float:
-        """One rank's weights as a share of the whole model's (1/N if everything were split)."""
-        return self.rank_bytes / self.whole_bytes
 
     @property
     def read_share(self) -> float:
@@ -224,11 +175,6 @@ def weights_per_rank(
 # ----------------------------------------------------------------------------- sharding
 
 
-def _heads_slice(cfg: ModelConfig, rank: int, world_size: int) -> slice:
-    local = cfg.n_heads // world_size
-    return slice(rank * local, (rank + 1) * local)
-
-
 def _chunk(n: int, rank: int, world_size: int) -> slice:
     size = n // world_size
     return slice(rank * size, (rank + 1) * size)
@@ -248,7 +194,7 @@ def shard_state_dict(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank}")
     d, hd = cfg.d_model, cfg.head_dim
-    heads = _heads_slice(cfg, rank, world_size)
+    heads = _chunk(cfg.n_heads, rank, world_size)
     cols = _chunk(d, rank, world_size)
     hidden = _chunk(4 * d, rank, world_size)
     out = {}
@@ -377,34 +323,3 @@ class ShardedGPT(nn.Module):
     logits = GPT.logits
     forward = GPT.forward
 
-
-def shard_gpt(model: GPT, rank: int, world_size: int, group: dist.ProcessGroup | None = None) -> ShardedGPT:
-    """Rank ``rank``'s :class:`ShardedGPT` of a trained ``model``, on its device and in its
-    dtype, in eval mode, with its attention implementation."""
-    check_splittable(model)
-    shard = ShardedGPT(model.cfg, rank, world_size, group).to(device=model.device, dtype=model.dtype)
-    shard.load_state_dict(shard_state_dict(model.state_dict(), model.cfg, rank, world_size))
-    return shard.set_attention(model.blocks[0].attn.impl).eval()
-
-
-def rendezvous(world_size: int, timeout_s: float = 300.0) -> dist.TCPStore:
-    """Rank 0's meeting point for a new group: a key-value store on a free local port
-    (``store.port``), which the other ranks pass to :func:`make_group`."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    return dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=timeout, wait_for_workers=False)
-
-
-def make_group(
-    backend: str, rank: int, world_size: int, store: dist.TCPStore | int, timeout_s: float = 300.0
-) -> tuple[dist.ProcessGroup, dist.TCPStore]:
-    """A process group of its own (not the process-wide default one ``torchrun`` scripts use),
-    so a notebook can open and close several: gloo on CPU, NCCL on CUDA. Rank 0 passes the
-    store from :func:`rendezvous`; the others pass its port. Returns when every rank joined."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if isinstance(store, int):
-        store = dist.TCPStore("127.0.0.1", store, world_size, False, timeout=timeout)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout), store
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, world_size), store
-    raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
