@@ -1,4 +1,4 @@
-"""The GPU check's driver (issue 22): every step guarded, sliced from one budget, recorded.
+"""The GPU check's driver: every step guarded, sliced from one budget, recorded.
 
 The steps here are fakes, so what is checked is the driver: a step that raises, crashes or
 hangs is recorded with why and the next step still runs; a spent budget skips steps; without

@@ -19,8 +19,8 @@ import torch
 from minillm.bench import llamacpp
 from minillm.model.checkpoint import load_model
 from minillm.decoding.generate import generate_kv_cache
-from minillm.export.gguf import export_gguf, gguf_context_length, gguf_name_map
-from minillm.export.hf import gpt2_vocab
+from minillm.export.gguf import export_gguf, gguf_context_length
+from minillm.export.hf import gpt2_vocab, tensor_names
 from minillm.model.gpt import GPT
 from minillm.settings import preset_dir
 from minillm.data.tokenizer import EOT_ID, get_tokenizer
@@ -102,7 +102,7 @@ def test_tensors_hold_our_weights_under_llamacpps_names(model, f32_file) -> None
              for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH.GPT2] for i in range(model.cfg.n_layers)}
     assert {name.rsplit(".", 1)[0] for name in tensors} == known - {"output"}
     state = model.state_dict()
-    for ours, theirs in gguf_name_map(model.cfg.n_layers):
+    for ours, _, theirs in tensor_names(model.cfg.n_layers):
         assert tensors[theirs].tensor_type == gguf.GGMLQuantizationType.F32, theirs
         assert np.array_equal(tensors[theirs].data, state[ours].numpy()), theirs
 
@@ -116,7 +116,7 @@ def test_lower_precisions_round_only_the_matrices(model, tmp_path, dtype) -> Non
     qtype = gguf.GGMLQuantizationType[dtype.upper()]
     tensors = {t.name: t for t in reader.tensors}
     state = model.state_dict()
-    for ours, theirs in gguf_name_map(model.cfg.n_layers):
+    for ours, _, theirs in tensor_names(model.cfg.n_layers):
         t, w = tensors[theirs], state[ours]
         assert tuple(int(n) for n in t.shape) == tuple(reversed(w.shape)), theirs
         values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(w.shape)
@@ -148,7 +148,7 @@ def test_missing_binaries_say_how_to_build_them(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(llamacpp.BIN_ENV, str(tmp_path))
     assert not llamacpp.available()
     with pytest.raises(llamacpp.LlamaCppError, match="make llamacpp"):
-        llamacpp.greedy_tokens(tmp_path / "model.gguf", [1, 2], 4)
+        llamacpp.binary("llama-server")
 
 
 # ----------------------------------------------------------------------------- llama.cpp itself

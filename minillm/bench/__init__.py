@@ -2,4 +2,80 @@
 
 ``python -m minillm.bench engine`` compares every generation method of chapters 5-8 (and
 Hugging Face ``generate``) on one workload. Results go to ``benchmarks/results/``.
+
+What the benchmarks share lives here, importing nothing beyond the standard library up front:
+:mod:`minillm.bench.gpu_check` must start where torch does not.
 """
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+from minillm.settings import project_root
+
+OPTIONS = {  # flag -> add_argument options, for the flags several benchmarks take
+    "--preset": dict(default="tinystories-50m"),
+    "--dtypes": dict(default="float32,bfloat16", help="comma-separated: float32, bfloat16, float16"),
+    "--repeats": dict(type=int, default=3, help="interleaved rounds of every method (median and spread)"),
+    "--no-hf": dict(action="store_true", help="skip the transformers baseline"),
+    "--device": dict(default=None),
+    "--out": dict(default=None, help="results directory (default: benchmarks/results)"),
+    "--smoke": dict(action="store_true", help="a tiny run that checks the benchmark works (CI)"),
+}
+
+
+def add_options(p, *flags: str, **defaults) -> None:
+    """Add the shared ``flags`` to parser ``p``; ``defaults`` (by destination name) replace theirs."""
+    from minillm.model.config import PRESETS
+
+    for flag in flags:
+        options = dict(OPTIONS[flag], **({"choices": sorted(PRESETS)} if flag == "--preset" else {}))
+        dest = flag[2:].replace("-", "_")
+        p.add_argument(flag, **(options | {"default": defaults[dest]} if dest in defaults else options))
+
+
+def results_dir(out: str | None) -> Path:
+    """``--out``, else the checkout's ``benchmarks/results``."""
+    return Path(out) if out else (project_root() or Path.cwd()) / "benchmarks" / "results"
+
+
+def save_report(report: dict, path: Path, plot: Callable[[dict, Path], object] | None = None, **dumps) -> Path:
+    """``report`` as JSON at ``path`` and, given ``plot(report, png)``, its figure beside it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, **dumps) + "\n")
+    if plot is not None:
+        plot(report, path.with_suffix(".png"))
+    return path
+
+
+def interleaved_times(variants: dict[str, Callable[[], object]], device, rounds: int) -> dict[str, list[float]]:
+    """Each variant's seconds in each of ``rounds`` rounds, every variant timed once a round
+    (after one untimed warm-up each), so a machine whose speed drifts moves them all alike."""
+    from minillm.machine.hardware import median_seconds
+
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            times[name].append(median_seconds(fn, device, repeats=1, warmup=0 if times[name] else 1))
+    return times
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend: the plots are written to files, never shown."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path, dpi: int = 120) -> None:
+    """``fig`` laid out, written to ``path`` and closed."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)

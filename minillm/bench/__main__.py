@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from minillm.bench import add_options, pyplot, results_dir, save_figure, save_report
 from minillm.bench import attention as attention_bench
 from minillm.bench import decode as decode_bench
 from minillm.bench import profile as profile_bench
@@ -19,11 +19,10 @@ from minillm.bench import speculative as speculative_bench
 from minillm.bench import training as training_bench
 from minillm.bench.engine import load_weights
 from minillm.cli import ArgumentParser, UsageError, run
-from minillm.model.config import PRESETS, get_preset
-from minillm.machine.hardware import default_device, device_name
+from minillm.model.config import get_preset
+from minillm.machine.hardware import default_device, device_name, resolve_dtype
 from minillm.model.gpt import GPT
-from minillm.settings import project_root, quick
-from minillm.machine.hardware import resolve_dtype
+from minillm.settings import quick
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -42,61 +41,47 @@ def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m minillm.bench", description="Benchmarks of the minillm engine.")
     sub = p.add_subparsers(dest="bench", required=True)
     e = sub.add_parser("engine", help="every generation method on one workload")
-    e.add_argument("--preset", default="tinystories-50m", choices=sorted(PRESETS))
-    e.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16, float16")
+    add_options(e, "--preset", "--dtypes", "--repeats", "--no-hf", "--device", "--out", "--smoke")
     e.add_argument("--num-requests", type=int, default=64)
     e.add_argument("--input-len", default="16:256", help="prompt lengths, uniform in LOW:HIGH")
     e.add_argument("--output-len", default="16:256", help="output lengths, uniform in LOW:HIGH")
     e.add_argument("--baseline-requests", type=int, default=6, help="requests for the slow one-at-a-time loops")
     e.add_argument("--static-batch", type=int, default=32)
-    e.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
-    e.add_argument("--repeats", type=int, default=3, help="runs of every method, in rounds (median and range)")
     e.add_argument("--repeat-under", type=float, default=60.0,
                    help="seconds: a method whose first run took longer runs once (the slow baselines)")
-    e.add_argument("--device", default=None)
     e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
-    e.add_argument("--smoke", action="store_true", help="a tiny run that checks the benchmark works (CI)")
     d = sub.add_parser("decode", help="decode tokens/s at batch 1..64: ours captured and eager, transformers, llama.cpp")
-    d.add_argument("--preset", default="tinystories-50m", choices=sorted(PRESETS))
-    d.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
+    add_options(d, "--preset", "--dtypes", "--repeats", "--no-hf", "--device", "--out")
     d.add_argument("--batches", default=",".join(map(str, decode_bench.BATCHES)))
     d.add_argument("--new-tokens", type=int, default=decode_bench.NEW_TOKENS)
-    d.add_argument("--repeats", type=int, default=3, help="runs of our engine per point (median and spread)")
-    d.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     d.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp even if `make llamacpp` built it")
-    d.add_argument("--device", default=None)
-    d.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
     pr = sub.add_parser("profile", help="where one decode step's time goes, eager and captured")
+    add_options(pr, "--dtypes", "--out")
     pr.add_argument("--presets", default="tinystories-50m,cpu")
-    pr.add_argument("--dtypes", default="float32,bfloat16")
     pr.add_argument("--batches", default="1,8,32")
     pr.add_argument("--steps", type=int, default=10)
-    pr.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
     attention_bench.add_arguments(sub.add_parser("attention", help="naive vs tiled vs fused attention; engine backends"))
     speculative_bench.add_arguments(sub.add_parser("speculative", help="speculative decoding: acceptance and speedup vs k"))
     quant_bench.add_arguments(sub.add_parser("quant", help="fp32, bf16, fp16, int8, int4: bytes, speed, quality"))
     extras_bench.add_arguments(sub.add_parser("extras", help="what penalties, logprobs and a JSON Schema cost a batch of 32"))
     gpu_check.add_arguments(sub.add_parser("gpu-check", help="every CUDA path run and measured, in a bounded run"))
     t = sub.add_parser("training", help="a training step profiled; plain vs fused loss vs fused AdamW")
-    t.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
-    t.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
+    add_options(t, "--preset", "--dtypes", "--repeats", "--out", preset="cpu", repeats=5)
     t.add_argument("--batch-size", type=int, default=8)
     t.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's context)")
-    t.add_argument("--repeats", type=int, default=5, help="interleaved rounds (median and spread)")
-    t.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
     return p
 
 
-def bench_training(args) -> dict:
+def bench_training(args, out: Path) -> Path:
     cfg = get_preset(args.preset)
     if args.batch_size < 1 or args.repeats < 1:
         raise UsageError("--batch-size and --repeats must be at least 1")
     if args.seq_len is not None and not 1 <= args.seq_len <= cfg.context_length:
         raise UsageError(f"--seq-len must be 1..{cfg.context_length} for the {args.preset} preset")
     dtypes = tuple(str(d).removeprefix("torch.") for d in parse_dtypes(args.dtypes, default_device()))
-    return training_bench.run(args.preset, batch_size=args.batch_size, seq_len=args.seq_len, dtypes=dtypes,
-                              repeats=args.repeats)
+    report = training_bench.run(args.preset, batch_size=args.batch_size, seq_len=args.seq_len, dtypes=dtypes,
+                                repeats=args.repeats)
+    return save_report(report, out / f"training-{args.preset}.json", training_bench.plot)
 
 
 def parse_batches(text: str) -> list[int]:
@@ -119,7 +104,7 @@ def parse_dtypes(text: str, device: torch.device) -> list[torch.dtype]:
     return dtypes
 
 
-def bench_decode(args) -> dict:
+def bench_decode(args, out: Path) -> Path:
     device = torch.device(args.device) if args.device else default_device()
     batches = parse_batches(args.batches)
     if quick():
@@ -132,16 +117,14 @@ def bench_decode(args) -> dict:
     report = {"device": device_name(device), "preset": args.preset, "prompt_len": decode_bench.PROMPT_LEN,
               "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "runs": {}}
     for dtype in parse_dtypes(args.dtypes, device):
-        model, source = load_weights(args.preset, device)
-        model.to(dtype)
-        report["weights"] = source
-        print(f"\n== decode, {args.preset} ({source}), {dtype}, {device_name(device)} ==", flush=True)
+        model, report["weights"] = load_weights(args.preset, device, dtype)
+        print(f"\n== decode, {args.preset} ({report['weights']}), {dtype}, {device_name(device)} ==", flush=True)
         run_ = decode_bench.run_decode_bench(model, batches, args.new_tokens, not args.no_hf, not args.no_llamacpp,
                                              args.repeats)
         report["runs"][str(dtype).removeprefix("torch.")] = run_
         print(f"  tok/s (fraction of roof) at batch {', '.join(map(str, batches))}:")
         print("\n".join(decode_bench.summary(run_)), flush=True)
-    return report
+    return decode_bench.save(report, out)
 
 
 def bench_profile(args, out: Path) -> Path:
@@ -149,8 +132,7 @@ def bench_profile(args, out: Path) -> Path:
     device = default_device()
     for preset in args.presets.split(","):
         for dtype in parse_dtypes(args.dtypes, device):
-            model, source = load_weights(preset.strip(), device)
-            model.to(dtype)
+            model, source = load_weights(preset.strip(), device, dtype)
             print(f"\n== profile, {preset} ({source}), {dtype} ==", flush=True)
             for b in parse_batches(args.batches):
                 for method in decode_bench.ENGINES:
@@ -158,13 +140,10 @@ def bench_profile(args, out: Path) -> Path:
                     row |= {"preset": preset, "dtype": str(dtype).removeprefix("torch.")}
                     profile_bench.print_profile(row)
                     rows.append(row)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "profile.json"
-    path.write_text(json.dumps({"device": device_name(device), "rows": rows}, indent=2) + "\n")
-    return path
+    return save_report({"device": device_name(device), "rows": rows}, out / "profile.json")
 
 
-def bench_engine(args) -> dict:
+def bench_engine(args, out: Path) -> Path:
     if args.smoke or quick():
         args.preset, args.num_requests, args.baseline_requests, args.static_batch = "tiny", 6, 2, 3
         args.input_len, args.output_len, args.repeats = "4:24", "4:24", min(args.repeats, 2)
@@ -181,12 +160,10 @@ def bench_engine(args) -> dict:
     report = {"device": device_name(device), "preset": args.preset, "num_requests": args.num_requests,
               "input_len": [lo_in, hi_in], "output_len": [lo_out, hi_out], "runs": {}}
     for dtype in dtypes:
-        model, source = load_weights(args.preset, device)
-        model.to(dtype)
-        report["weights"] = source
-        print(f"\n== {args.preset} ({source}), {dtype}, {device_name(device)} ==", flush=True)
+        model, report["weights"] = load_weights(args.preset, device, dtype)
+        print(f"\n== {args.preset} ({report['weights']}), {dtype}, {device_name(device)} ==", flush=True)
         report["runs"][str(dtype).removeprefix("torch.")] = run_all(model, workload, args)
-    return report
+    return save_report(report, out / f"engine-{report['preset']}.json", plot)
 
 
 def run_all(model: GPT, workload: eb.Workload, args) -> dict:
@@ -227,20 +204,8 @@ def run_all(model: GPT, workload: eb.Workload, args) -> dict:
     return {"results": eb.as_dict(results), "speedup_of_paged_engine": ratios, "batch1": batch1, "kv_waste": waste}
 
 
-def save(report: dict, out: Path) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"engine-{report['preset']}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, out / f"engine-{report['preset']}.png")
-    return path
-
-
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     runs = report["runs"]
     fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 3.6), squeeze=False)
     for ax, (dtype, run_) in zip(axes[0], runs.items()):
@@ -258,44 +223,25 @@ def plot(report: dict, path: Path) -> None:
             ax.text(hi, y, f"  {rate:,.0f}", va="center")  # past the range bar's end, not on it
     fig.suptitle(f"{report['num_requests']} requests on {report['device']} (median run; bars: fastest..slowest)",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    out = Path(args.out) if args.out else (project_root() or Path.cwd()) / "benchmarks" / "results"
     if args.bench == "gpu-check":
         return gpu_check.run_from_args(args)
-    if args.bench == "attention":
-        attention_bench.save(attention_bench.run_attention_bench(args), out)
-        return 0
-    if args.bench == "speculative":
-        speculative_bench.run_from_args(args, out)
-        return 0
-    if args.bench == "quant":
-        quant_bench.run_from_args(args, out)
-        return 0
-    if args.bench == "extras":
-        if args.rounds < 1 or args.steps < 1:
-            raise UsageError("--rounds and --steps must be at least 1")
-        model, source = load_weights(args.preset, default_device())
-        print(f"\nsaved {extras_bench.run_from_args(args, out, model, source)}")
-        return 0
-    if args.bench == "decode":
-        report = bench_decode(args)
-        print(f"\nsaved {decode_bench.save(report, out)}")
-        return 0
-    if args.bench == "profile":
-        print(f"\nsaved {bench_profile(args, out)}")
-        return 0
-    if args.bench == "training":
-        print(f"\nsaved {training_bench.save(bench_training(args), out)}")
-        return 0
-    report = bench_engine(args)
-    print(f"\nsaved {save(report, out)}")
+    print(f"\nsaved {RUNNERS[args.bench](args, results_dir(args.out))}")
     return 0
+
+
+def bench_attention(args, out: Path) -> Path:
+    report = attention_bench.run_attention_bench(args)
+    return save_report(report, out / f"attention-{report['device_type']}.json", attention_bench.plot)
+
+
+RUNNERS = {"engine": bench_engine, "decode": bench_decode, "profile": bench_profile, "training": bench_training,
+           "attention": bench_attention, "speculative": speculative_bench.run_from_args,
+           "quant": quant_bench.run_from_args, "extras": extras_bench.run_from_args}
 
 
 if __name__ == "__main__":

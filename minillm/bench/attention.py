@@ -21,14 +21,14 @@ import torch
 
 from minillm.cli import UsageError
 from minillm.model.config import PRESETS
+from minillm.bench import add_options, pyplot, save_figure
 from minillm.bench.engine import load_weights
 from minillm.engine.llm import LLM
-from minillm.machine.hardware import default_device, device_name, time_repeats
+from minillm.machine.hardware import default_device, device_name, resolve_dtype, time_repeats
 from minillm.speedups.kernels import naive_attention, naive_bytes, tiled_attention, tiled_bytes
 from minillm.model.gpt import GPT
 from minillm.decoding.sampling import SamplingParams
 from minillm.settings import quick
-from minillm.machine.hardware import resolve_dtype
 
 GPU_SEQ_LENS = (128, 256, 512, 1024, 2048, 4096, 8192)
 CPU_SEQ_LENS = (128, 256, 512, 1024)
@@ -156,8 +156,7 @@ def add_arguments(p) -> None:
     p.add_argument("--engine-preset", default="tinystories-50m", choices=sorted(PRESETS),
                    help="the model the engine decode comparison serves")
     p.add_argument("--engine-requests", type=int, default=64)
-    p.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
-    p.add_argument("--smoke", action="store_true", help="a tiny run that checks the benchmark works (CI)")
+    add_options(p, "--out", "--smoke")
 
 
 def run_attention_bench(args) -> dict:
@@ -193,8 +192,7 @@ def run_attention_bench(args) -> dict:
               "engine": []}
     if cuda:
         preset = "tiny" if args.smoke or quick() else args.engine_preset
-        model, source = load_weights(preset, device)
-        model.to(dtype)
+        model, source = load_weights(preset, device, dtype)
         output_len = min(128, model.cfg.context_length - 32)
         runs = [engine_decode_rate(model, backend, num_requests=args.engine_requests, prompt_len=32, output_len=output_len)
                 for backend in ("torch", "triton")]
@@ -206,22 +204,8 @@ def run_attention_bench(args) -> dict:
     return report
 
 
-def save(report: dict, out) -> None:
-    import json
-
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"attention-{report['device_type']}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, stem.with_suffix(".png"))
-    print(f"\nsaved {stem.with_suffix('.json')}")
-
-
 def plot(report: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
     for method in dict.fromkeys(r["method"] for r in report["kernels"]):
         points = [(r["seq_len"], r["seconds"] * 1e3) for r in report["kernels"] if r["method"] == method and r["seconds"]]
@@ -235,6 +219,4 @@ def plot(report: dict, path) -> None:
     right.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel="MB moved per call",
               title=f"traffic model, {report['heads']} heads x d={report['head_dim']}, {report['dtype']}")
     right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

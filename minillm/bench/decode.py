@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from minillm.bench import llamacpp
+from minillm.bench import llamacpp, pyplot, save_figure, save_report
+from minillm.bench.engine import as_transformers
 from minillm.engine.config import EngineConfig
 from minillm.engine.build import build_engine
 from minillm.machine.hardware import measure_bandwidth, measure_matmul_flops
@@ -86,19 +87,6 @@ def hf_rate(hf, batch: int, new_tokens: int, vocab: int) -> float:
     return batch * (new_tokens - 1) / (seconds(new_tokens) - seconds(1))
 
 
-def load_hf(model: GPT):
-    """The same weights as a ``transformers`` GPT-2, or None without ``transformers``."""
-    try:
-        from transformers import GPT2LMHeadModel
-    except ImportError:
-        return None
-    from minillm.export.hf import export_hf
-
-    with tempfile.TemporaryDirectory() as tmp:
-        hf = GPT2LMHeadModel.from_pretrained(export_hf(model, tmp), dtype=model.dtype)
-    return hf.to(model.device).eval()
-
-
 def llamacpp_rates(model: GPT, batches: list[int], new_tokens: int, dtype: str) -> dict | None:
     """llama.cpp's decode tokens/s on the GGUF of ``model`` (``dtype``: f32 or bf16), or None
     when its programs are not built."""
@@ -135,7 +123,7 @@ def run_decode_bench(model: GPT, batches: list[int], new_tokens: int, with_hf: b
     report = {"bandwidth": bandwidth, "matmul_flops": flops, "weight_bytes": weight_bytes,
               "roof": {b: roof(model, b, bandwidth, flops) for b in batches}, "rates": {}, "startup_s": {}}
     rates, startups = report["rates"], report["startup_s"]
-    hf = load_hf(model) if with_hf else None
+    hf = as_transformers(model) if with_hf else None
     llama_dtype = "f32" if model.dtype == torch.float32 else "bf16"
     for round_ in range(repeats):
         for b in batches:
@@ -179,21 +167,11 @@ def summary(report: dict) -> list[str]:
 
 def save(report: dict, out: Path) -> Path:
     """``decode-<preset>.json`` and a plot of tokens/s against batch size, one panel per dtype."""
-    import json
-
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"decode-{report['preset']}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, out / f"decode-{report['preset']}.png")
-    return path
+    return save_report(report, out / f"decode-{report['preset']}.json", plot)
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     runs = report["runs"]
     fig, axes = plt.subplots(1, max(len(runs), 1), figsize=(6.5 * max(len(runs), 1), 4), squeeze=False)
     for ax, (dtype, run_) in zip(axes[0], runs.items()):
@@ -207,6 +185,4 @@ def plot(report: dict, path: Path) -> None:
         ax.set_xticks(batches, [str(b) for b in batches])
         ax.legend(fontsize=7)
     fig.suptitle(f"{report['device']}, {report['threads']} threads", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

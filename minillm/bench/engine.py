@@ -26,14 +26,16 @@ from minillm.machine.hardware import measure_bandwidth, median_seconds
 from minillm.model.gpt import GPT
 
 
-def load_weights(preset: str, device: torch.device) -> tuple[GPT, str]:
+def load_weights(preset: str, device: torch.device, dtype: torch.dtype | None = None) -> tuple[GPT, str]:
     """The preset's trained weights if there are any, else random ones (seeded): speed does not
-    care. Returns the model and where its weights came from."""
+    care. Returns the model (in ``dtype``, given one) and where its weights came from."""
     path = preset_dir(preset) / CHECKPOINT_NAME
     if path.is_file():
-        return load_model(path, device), str(path)
-    torch.manual_seed(0)
-    return GPT(get_preset(preset)).to(device).eval(), "random weights"
+        model, source = load_model(path, device), str(path)
+    else:
+        torch.manual_seed(0)
+        model, source = GPT(get_preset(preset)).to(device).eval(), "random weights"
+    return model.to(dtype), source
 
 
 @dataclass
@@ -138,10 +140,9 @@ def contiguous_waste(w: Workload, context_length: int, batch_size: int) -> dict:
     return {"max_context": 1 - sum(used) / (context_length * len(used)), "static_batch": 1 - sum(used) / static_reserved}
 
 
-@torch.inference_mode()
-def run_hf(model: GPT, w: Workload, batch_size: int) -> Result | None:
-    """Hugging Face ``generate`` with static batches, on the same weights through our export.
-    Returns None when ``transformers`` is not installed (it is a dev dependency only)."""
+def as_transformers(model: GPT):
+    """The same weights as a ``transformers`` GPT-2, or None without ``transformers`` (it is a
+    dev dependency only)."""
     try:
         from transformers import GPT2LMHeadModel
     except ImportError:
@@ -150,7 +151,15 @@ def run_hf(model: GPT, w: Workload, batch_size: int) -> Result | None:
 
     with tempfile.TemporaryDirectory() as tmp:
         hf = GPT2LMHeadModel.from_pretrained(export_hf(model, tmp), dtype=model.dtype)
-    hf = hf.to(model.device).eval()
+    return hf.to(model.device).eval()
+
+
+@torch.inference_mode()
+def run_hf(model: GPT, w: Workload, batch_size: int) -> Result | None:
+    """Hugging Face ``generate`` with static batches, on the same weights through our export;
+    None without ``transformers``."""
+    if (hf := as_transformers(model)) is None:
+        return None
     pad = model.cfg.vocab_size - 1
 
     def go() -> None:

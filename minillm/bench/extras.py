@@ -13,7 +13,6 @@ the rounds.
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
@@ -22,11 +21,13 @@ from typing import Callable
 
 import torch
 
+from minillm.bench import add_options, pyplot, save_figure, save_report
+from minillm.bench.engine import load_weights
+from minillm.cli import UsageError
 from minillm.engine.config import EngineConfig
-
 from minillm.engine.build import build_engine
 from minillm.engine.llm_engine import LLMEngine
-from minillm.machine.hardware import Timing, device_name
+from minillm.machine.hardware import Timing, default_device, device_name
 from minillm.model.gpt import GPT
 from minillm.decoding.sampling import SamplingParams
 from minillm.decoding.structured import GrammarCompiler
@@ -148,25 +149,19 @@ def figure(report: dict):
     return fig
 
 
-def run_from_args(args, out: Path, model: GPT, source: str) -> Path:
+def run_from_args(args, out: Path) -> Path:
+    if args.rounds < 1 or args.steps < 1:
+        raise UsageError("--rounds and --steps must be at least 1")
+    model, source = load_weights(args.preset, default_device())
     report = step_costs(model, rounds=args.rounds, steps=args.steps, progress=lambda s: print(s, flush=True))
     report |= {"preset": args.preset, "weights": source}
     print(table(report))
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"extras-{args.preset}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    fig = figure(report)
-    fig.savefig(path.with_suffix(".png"), dpi=120)
-    return path
+    pyplot()  # Agg before the figure: it goes to a file
+    return save_report(report, out / f"extras-{args.preset}.json", lambda r, png: save_figure(figure(r), png))
 
 
 def add_arguments(p) -> None:
-    from minillm.model.config import PRESETS
-
-    p.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
+    add_options(p, "--preset", preset="cpu")
     p.add_argument("--rounds", type=int, default=30, help="interleaved rounds (median and quartiles)")
     p.add_argument("--steps", type=int, default=2, help="decode steps timed per variant per round")
-    p.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
+    add_options(p, "--out")

@@ -1,12 +1,10 @@
 """``python -m minillm.bench.gpu_check OUT_DIR``: every CUDA path of the book, run and measured
-in one bounded run (``scripts/gpu_check.sh`` wraps it; issue 22 says why).
+in one bounded run (``scripts/gpu_check.sh`` wraps it).
 
 A GPU is at hand only now and then, and for minutes. This driver runs the steps of
-:mod:`minillm.bench.gpu_steps` and :mod:`minillm.bench.gpu_steps_engine` in order: the machine
-and its roof, the CUDA tests, the attention kernels, decode throughput, training throughput and
-the server under load. Each runs in a process of its own, so a step that raises, hangs or
-poisons the CUDA context (a device-side assert does) costs that step only: its traceback goes
-into the results and the next step starts. Each gets a slice of one overall budget
+:mod:`minillm.bench.gpu_steps` in order, each in a process of its own, so a step that raises,
+hangs or poisons the CUDA context (a device-side assert does) costs that step only: its
+traceback goes into the results and the next step starts. Each gets a slice of one overall budget
 (``--budget-s``, 480 s by default, so a run ends inside 8 minutes): the time left, shared among
 the steps still to run in proportion to their ``share``; a step past its slice is killed and
 keeps what it had saved; a step whose slice would be too short to mean anything is skipped.
@@ -67,20 +65,14 @@ class Step:
     target: str | Callable[["Context"], object]  # a callable runs only in-process (isolate=False)
 
 
-STEPS = (
-    Step("machine", "GPU, versions, bandwidth, matmul FLOP/s, ridge, decode points under the roof", 0.10,
-         "minillm.bench.gpu_steps:machine"),
-    Step("cuda_tests", "pytest -m cuda: the Triton kernels against SDPA, the engine on CUDA", 0.17,
-         "minillm.bench.gpu_steps:cuda_tests"),
-    Step("attention", "python -m minillm.bench attention: naive, Triton, SDPA", 0.13,
-         "minillm.bench.gpu_steps:attention"),
-    Step("decode", "engine decode tokens/s, eager and CUDA graphs, beside transformers generate", 0.22,
-         "minillm.bench.gpu_steps_engine:decode"),
-    Step("training", "training tokens/s and MFU, torch.compile off and on; an epoch's time", 0.18,
-         "minillm.bench.gpu_steps_engine:training"),
-    Step("server", "the server under a short load sweep (server.loadgen)", 0.20,
-         "minillm.bench.gpu_steps_engine:server"),
-)
+STEPS = tuple(Step(name, title, share, f"minillm.bench.gpu_steps:{name}") for name, title, share in (
+    ("machine", "GPU, versions, bandwidth, matmul FLOP/s, ridge, decode points under the roof", 0.10),
+    ("cuda_tests", "pytest -m cuda: the Triton kernels against SDPA, the engine on CUDA", 0.17),
+    ("attention", "python -m minillm.bench attention: naive, Triton, SDPA", 0.13),
+    ("decode", "engine decode tokens/s, eager and CUDA graphs, beside transformers generate", 0.22),
+    ("training", "training tokens/s and MFU, torch.compile off and on; an epoch's time", 0.18),
+    ("server", "the server under a short load sweep (server.loadgen)", 0.20),
+))
 
 
 @dataclass
@@ -215,7 +207,7 @@ def run_steps(steps: Sequence[Step], out: Path, *, budget_s: float, dry_run: boo
 
 
 def header(budget_s: float, dry_run: bool, has_cuda: bool) -> dict:
-    return {"what": "python -m minillm.bench.gpu_check (issue 22)", "started": _now(), "dry_run": dry_run,
+    return {"what": "python -m minillm.bench.gpu_check", "started": _now(), "dry_run": dry_run,
             "budget_s": budget_s, "cuda": has_cuda, "commit": commit(), "source_sha256": source_digest(),
             "python": platform.python_version(), "host": platform.node(), "weights": WEIGHTS,
             "missing_imports": missing_imports(), "steps": {}}

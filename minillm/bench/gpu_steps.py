@@ -1,28 +1,48 @@
-"""The GPU check's first steps (:mod:`minillm.bench.gpu_check` runs them): the machine and its
-roof, the CUDA tests, the attention kernels. Each is a function of a ``Context``: it measures
-with what the package already has, records with ``ctx.save`` as it goes, and writes its plot
-into ``ctx.out``. ``ctx.dry_run`` shrinks every shape so that a CPU runs it in seconds.
+"""The GPU check's steps (:mod:`minillm.bench.gpu_check` runs them in this order): the machine
+and its roof, the CUDA tests, the attention kernels, decode throughput, training throughput and
+the server under load. Each is a function of a ``Context``: it measures with the package's own
+benchmarks, records with ``ctx.save`` as it goes (a step stopped at its deadline keeps what it
+finished), and writes its plot into ``ctx.out``. ``ctx.dry_run`` shrinks every shape so that a
+CPU runs it in seconds.
+
+The server step runs ``python -m server`` and ``python -m server.loadgen`` as programs: the
+package never imports ``server`` (DESIGN.md's one direction of dependence).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import queue
+import re
+import shutil
+import signal
+import statistics
 import subprocess
 import sys
+import threading
+import time
 import xml.etree.ElementTree as ET
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from minillm.bench import decode as decode_bench
 from minillm.bench.engine import load_weights
-from minillm.machine.hardware import DTYPES, device_name, first_order_batch, measure_machine
+from minillm.machine.hardware import DTYPES, device_name, first_order_batch, measure_machine, measure_matmul_flops
 from minillm.machine.roofline import decode_roof, measure_decode, nearly_free_batch, plot_roofline
+from minillm.model.checkpoint import CHECKPOINT_NAME, save_checkpoint
+from minillm.model.config import get_preset
+from minillm.model.gpt import training_flops_per_token
 from minillm.settings import project_root
+from minillm.train.trainer import measure_throughput
 
 GPU_PRESET = "tinystories-50m"
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+EPOCH_TOKENS = 470e6  # TinyStories' training split, about, in GPT-2 tokens
+GPU_BATCH_GROUPS = ((1, 8, 32), (64, 128, 256))  # measured and saved group by group
 
 
 def shape(ctx) -> tuple[str, str]:
@@ -68,8 +88,7 @@ def machine(ctx) -> None:
              first_order_batch={d: first_order_batch(profile.ridge(d), d) for d in profile.flops})
     print(profile.table(), flush=True)
     preset, dtype = shape(ctx)
-    model, source = load_weights(preset, device)
-    model.to(DTYPES[dtype])
+    model, source = load_weights(preset, device, DTYPES[dtype])
     spec = decode_roof(profile, model.cfg, dtype)
     context = model.cfg.context_length // 2  # as chapter 1: half the window already cached
     batches = (1, 2) if ctx.dry_run else DECODE_BATCHES
@@ -137,3 +156,145 @@ def attention(ctx) -> None:
     report = attention_bench.run_attention_bench(build_parser().parse_args(argv))
     ctx.save(command="python -m minillm.bench " + " ".join(argv), **report)
     attention_bench.plot(report, ctx.out / "attention.png")
+
+
+def decode(ctx) -> None:
+    """Step 4: our engine's decode tokens/s at batch 1..256, eager and captured (CUDA graphs on
+    a GPU), beside ``transformers`` ``generate``, each as a fraction of the roof (reading every
+    weight once per step at the measured bandwidth): :func:`minillm.bench.decode.run_decode_bench`."""
+    preset, dtype = shape(ctx)
+    device = ctx.device
+    engines = {m: o for m, o in decode_bench.ENGINES.items() if not o.get("pack_weights")}  # oneDNN: CPUs only
+    if ctx.dry_run:  # a CPU's captured step is an Inductor compile: minutes on two cores, and not the GPU's path
+        engines = {m: o for m, o in engines.items() if o.get("enforce_eager")}
+    groups, new_tokens = (((1, 2),), 8) if ctx.dry_run else (GPU_BATCH_GROUPS, decode_bench.NEW_TOKENS)
+    model, source = load_weights(preset, device, DTYPES[dtype])
+    report = {"device": device_name(device), "preset": preset, "weights": source, "prompt_len": decode_bench.PROMPT_LEN,
+              "new_tokens": new_tokens, "threads": torch.get_num_threads(), "methods": list(engines), "runs": {}}
+    merged: dict = {}
+    for group in groups:
+        if merged and ctx.left < 0.4 * ctx.slice_s:
+            report["skipped_batches"] = report.get("skipped_batches", []) + list(group)
+            continue
+        run_ = decode_bench.run_decode_bench(model, list(group), new_tokens, with_hf=True, with_llamacpp=False,
+                                             repeats=1, engines=engines)
+        merged = merge_runs(merged, run_)
+        report["runs"][dtype] = merged
+        ctx.save(**report, fraction_of_roof=fractions(merged))
+        print("\n".join(decode_bench.summary(merged)), flush=True)
+    decode_bench.plot(report, ctx.out / "decode.png")
+
+
+def merge_runs(a: dict, b: dict) -> dict:
+    """Two ``run_decode_bench`` reports over different batches as one."""
+    if not a:
+        return b
+    merged = dict(a, roof={**a["roof"], **b["roof"]})
+    for key in ("rates", "startup_s"):
+        merged[key] = {m: {**a[key].get(m, {}), **b[key].get(m, {})} for m in {*a[key], *b[key]}}
+    return merged
+
+
+def fractions(run_: dict) -> dict:
+    """Each method's median rate at each batch as a fraction of that batch's roof."""
+    return {m: {b: statistics.median(v) / run_["roof"][b] for b, v in by_batch.items()}
+            for m, by_batch in run_["rates"].items()}
+
+
+def training(ctx) -> None:
+    """Step 5: training tokens/s of the GPU model (bf16 autocast), ``torch.compile`` off and on;
+    MFU against the measured bf16 matmul peak; how long an epoch of TinyStories would take."""
+    preset, _ = shape(ctx)
+    dtype = "float32" if ctx.dry_run else "bfloat16"
+    batch_size, steps = (2, 2) if ctx.dry_run else (32, 5)
+    device = ctx.device
+    seq_len = get_preset(preset).context_length
+    peak = measure_matmul_flops(device, getattr(torch, dtype), n=1024 if ctx.dry_run else 8192)
+    flops_per_token = training_flops_per_token(get_preset(preset), seq_len)
+    ctx.save(preset=preset, autocast=dtype, batch_size=batch_size, seq_len=seq_len, steps=steps,
+             weights="random: speed does not depend on the data or the weights", matmul_peak_flops=peak,
+             flops_per_token=flops_per_token, epoch_tokens=EPOCH_TOKENS, runs=[])
+    compile_options = (False,) if ctx.dry_run else (False, True)  # Inductor on two CPU cores: minutes
+    for compiled in compile_options:
+        if compiled and ctx.left < 0.3 * ctx.slice_s:
+            ctx.save(compile_skipped=f"{ctx.left:.0f} s left of the slice")
+            break
+        began = time.perf_counter()
+        rate = measure_throughput(preset, dtype, batch_size=batch_size, seq_len=seq_len, steps=steps, device=device,
+                                  compile=compiled)
+        row = {"compile": compiled, "tokens_per_s": rate, "mfu": rate * flops_per_token / peak,
+               "epoch_hours": EPOCH_TOKENS / rate / 3600, "wall_s": time.perf_counter() - began}
+        ctx.result["runs"].append(row)
+        ctx.save()
+        print(f"  compile={compiled}: {rate:,.0f} tok/s, MFU {row['mfu']:.1%}, epoch {row['epoch_hours']:.2f} h", flush=True)
+
+
+_BANNER = re.compile(r"serving .* at (http://\S+)")
+
+
+def server(ctx) -> None:
+    """Step 6: ``python -m server`` on random weights of the GPU model, then a short
+    ``python -m server.loadgen`` sweep against it: TTFT/TPOT percentiles, sustained tokens/s."""
+    from minillm.bench.gpu_check import child_env
+
+    preset, dtype = shape(ctx)
+    model, source = load_weights(preset, torch.device("cpu"))
+    ckpt = save_checkpoint(ctx.work / "server-model" / CHECKPOINT_NAME,
+                           {"model": model.state_dict(), "model_config": model.cfg.to_dict(), "history": []})
+    torch_dtype = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+    serve = [sys.executable, "-m", "server", "--checkpoint", str(ckpt), "--port", "0", "--device", str(ctx.device),
+             "--dtype", torch_dtype, "--log-level", "warning"]
+    if ctx.dry_run:
+        sweep = ["--sweep", "4,inf", "--num-prompts", "4", "--input-len", "16", "--output-len", "16"]
+    else:
+        sweep = ["--sweep", "8,32,128,inf", "--num-prompts", "64", "--input-len", "128", "--output-len", "128"]
+    ctx.save(preset=preset, dtype=torch_dtype, weights=source, server_command=" ".join(serve[1:]))
+    proc = subprocess.Popen(serve, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
+    log: list[str] = []
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_pump, args=(proc, log, lines), daemon=True).start()
+    try:
+        began = time.perf_counter()
+        url = _wait_for_banner(lines, timeout=max(ctx.left * 0.5, 5))
+        ctx.save(url=url, startup_s=time.perf_counter() - began)
+        out = ctx.work / "loadgen"
+        loadgen = [sys.executable, "-m", "server.loadgen", "--url", url, *sweep, "--slo", "ttft=500ms,tpot=50ms",
+                   "--out", str(out)]
+        ctx.save(loadgen_command=" ".join(loadgen[1:]))
+        done = subprocess.run(loadgen, capture_output=True, text=True, env=child_env(), timeout=max(ctx.left - 10, 5))
+        print(done.stdout[-3000:], flush=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"server.loadgen exited {done.returncode}: {(done.stdout + done.stderr)[-2000:]}")
+        report = json.loads((out / "loadtest-sweep.json").read_text())
+        ctx.save(loadtest=report, summary=[{"request_rate": r["request_rate"], "output_tok_s": r["output_throughput"],
+                                           "ttft_ms": r["ttft_ms"], "tpot_ms": r["tpot_ms"], "goodput": r["goodput"]}
+                                          for r in report["runs"]])
+        shutil.copy(out / "loadtest-sweep.png", ctx.out / "loadtest.png")
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        ctx.save(server_log_tail="".join(log[-30:]))
+
+
+def _pump(proc: subprocess.Popen, log: list[str], lines: queue.Queue) -> None:
+    for line in proc.stdout:
+        log.append(line)
+        lines.put(line)
+    lines.put(None)
+
+
+def _wait_for_banner(lines: queue.Queue, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+        except queue.Empty:
+            raise RuntimeError(f"the server did not listen within {timeout:.0f} s") from None
+        if line is None:
+            raise RuntimeError("the server exited before it listened")
+        if match := _BANNER.search(line):
+            return match.group(1)

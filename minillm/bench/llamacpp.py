@@ -142,12 +142,6 @@ def _free_port() -> int:
 _LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def _post(url: str, body: dict, timeout: float) -> dict:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with _LOCAL.open(request, timeout=timeout) as response:
-        return json.loads(response.read())
-
-
 @contextmanager
 def llama_server(gguf_path: str | Path, *, threads: int = 2, startup_timeout: float = 120) -> Iterator[str]:
     """``llama-server`` on a free local port for the ``with`` block; yields its base URL.
@@ -191,8 +185,11 @@ def server_greedy_tokens(url: str, prompt_ids: Sequence[int], n: int, timeout: f
     early after ``<|endoftext|>`` (included, as our ``stop_token`` includes it)."""
     body = {"prompt": list(prompt_ids), "n_predict": n, "temperature": 0.0, "top_k": 1,
             "return_tokens": True, "cache_prompt": False, "stream": False}
+    request = urllib.request.Request(f"{url}/completion", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
     try:
-        answer = _post(f"{url}/completion", body, timeout)
+        with _LOCAL.open(request, timeout=timeout) as response:
+            answer = json.loads(response.read())
     except urllib.error.HTTPError as err:
         raise LlamaCppError(f"llama-server refused the request ({err.code}): {err.read().decode()[:500]}") from None
     except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
@@ -201,13 +198,3 @@ def server_greedy_tokens(url: str, prompt_ids: Sequence[int], n: int, timeout: f
         raise LlamaCppError(f"llama-server's answer has no token ids: {str(answer)[:500]}")
     return [int(t) for t in answer["tokens"]]
 
-
-def greedy_tokens(gguf_path: str | Path, prompt_ids: Sequence[int], n: int, *, threads: int = 2) -> list[int]:
-    """llama.cpp's greedy continuation of ``prompt_ids`` by up to ``n`` tokens, from a
-    ``llama-server`` started for this one request (use :func:`llama_server` for many)."""
-    if not prompt_ids:
-        raise ValueError("the prompt must hold at least one token")
-    binary("llama-server")  # a missing program is the first thing to say
-    _model(gguf_path, len(prompt_ids) + n)
-    with llama_server(gguf_path, threads=threads) as url:
-        return server_greedy_tokens(url, prompt_ids, n)

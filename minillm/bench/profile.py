@@ -54,30 +54,25 @@ def operator_kind(name: str) -> str:
     return "other"
 
 
-class PhaseTimer:
-    """Wall time spent inside wrapped callables, by phase name."""
+def _timed(seconds: dict[str, float], phase: str, fn: Callable) -> Callable:
+    """``fn``, adding the wall time spent inside it to ``seconds[phase]``."""
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            seconds[phase] += time.perf_counter() - start
 
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    def wrap(self, phase: str, fn: Callable) -> Callable:
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[phase] += time.perf_counter() - start
-
-        return timed
+    return timed
 
 
-def _instrument(engine: LLMEngine, timer: PhaseTimer) -> Callable[[], None]:
-    """Wrap the engine's phases in ``timer``; returns the function that unwraps them."""
+def _instrument(engine: LLMEngine, seconds: dict[str, float]) -> Callable[[], None]:
+    """Time the engine's phases into ``seconds``; returns the function that unwraps them."""
     runner, model, graphs = engine.runner, engine.runner.model, engine.graphs
     patches = [
         (engine.scheduler, "schedule", "schedule"), (engine.scheduler, "postprocess", "bookkeeping"),
         (engine, "_append", "bookkeeping"), (runner, "flatten", "step tensors"),
-        (runner, "decode_groups", "step tensors"), (runner, "_prefill_chunks", "step tensors"),
+        (runner, "decode_groups", "step tensors"), (runner, "prefill_chunks", "step tensors"),
         (model_runner, "_choose", "sampling"),
     ]
     if graphs is None:
@@ -88,9 +83,9 @@ def _instrument(engine: LLMEngine, timer: PhaseTimer) -> Callable[[], None]:
     for obj, name, phase in patches:
         fn = getattr(obj, name)
         if name == "program":  # time the program's run, not its lookup
-            setattr(obj, name, lambda b, fn=fn: timer.wrap(phase, fn(b)))
+            setattr(obj, name, lambda b, fn=fn: _timed(seconds, phase, fn(b)))
         else:
-            setattr(obj, name, timer.wrap(phase, fn))
+            setattr(obj, name, _timed(seconds, phase, fn))
 
     def restore() -> None:
         for obj, name, fn in originals:
@@ -114,32 +109,28 @@ def profile_decode(model: GPT, batch: int, method: str, steps: int = 10) -> dict
         engine.step()
     if engine.graphs is not None:
         engine.graphs.prepare([engine.graphs.bucket(batch)])
-    for _ in range(3):  # warm-up
-        engine.step()
-    walls = []
-    for _ in range(steps):
+
+    def run(n: int) -> float:
         start = time.perf_counter()
-        engine.step()
-        walls.append(time.perf_counter() - start)
-    timer = PhaseTimer()
-    restore = _instrument(engine, timer)
-    try:
-        start = time.perf_counter()
-        for _ in range(steps):
+        for _ in range(n):
             engine.step()
-        timed = time.perf_counter() - start
+        return time.perf_counter() - start
+
+    run(3)  # warm-up
+    walls = [run(1) for _ in range(steps)]
+    seconds: dict[str, float] = defaultdict(float)
+    restore = _instrument(engine, seconds)
+    try:
+        timed = run(steps)
     finally:
         restore()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        profiled = time.perf_counter() - start
+        profiled = run(steps)
     kinds: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
         if event.key.startswith(("aten::", "mkldnn::", "minillm::", "quantized::")) or "cpp_fused" in event.key:
             kinds[operator_kind(event.key)] += event.self_cpu_time_total / 1e6
-    phases = dict(timer.seconds)
+    phases = dict(seconds)
     phases["other Python"] = max(timed - sum(phases.values()), 0.0)
     step = statistics.median(walls)
     return {

@@ -3,9 +3,9 @@
 For each format (fp32, bf16, fp16 weights; int8 and int4 weight-only from ``minillm.speedups.quant``)
 it measures what the format costs and what it buys:
 
-- load time and memory, each in a fresh process (``ru_maxrss`` is a high-water mark, so
-  formats measured in one process would hide each other's peaks): the weights' bytes, the
-  process's resident memory once loaded and its peak while loading;
+- load time and memory, each in a fresh process (a peak is a high-water mark, so formats
+  measured in one process would hide each other's): the weights' bytes, the process's
+  resident memory once loaded and its peak while loading;
 - time to first token and decode rates at batch 1 and at a wide batch, on the paged engine;
 - validation perplexity and bits per byte (``minillm.train.trainer.evaluate``), and how often greedy
   decoding picks the same tokens as fp32 over the same prompts;
@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import os
 import subprocess
 import sys
 import time
@@ -32,14 +31,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minillm.model.checkpoint import load_model, load_state
+from minillm.bench import add_options, pyplot, save_figure, save_report
+from minillm.cli import UsageError
+from minillm.model.checkpoint import CHECKPOINT_NAME, load_model, load_state, preset_dir
 from minillm.data.corpus import Corpus, prepare_corpus
 from minillm.engine import LLM, LLMEngine, SamplingParams, build_engine
 from minillm.engine.config import EngineConfig
-from minillm.machine.hardware import DTYPES, device_name, measure_bandwidth, median_seconds
+from minillm.machine.hardware import DTYPES, Timing, default_device, device_name, measure_bandwidth, median_seconds
 from minillm.model.gpt import GPT
 from minillm.speedups.quant import SCHEMES, cast_and_quantize, kernels_used, model_bytes
-from minillm.train.trainer import evaluate
+from minillm.settings import quick
+from minillm.train.trainer import evaluate, load_or_train
 
 FORMATS = ("fp32", "bf16", "fp16", "int8", "int4")
 
@@ -82,39 +84,31 @@ def load_format(path: str | Path, fmt: str, device: str | torch.device = "cpu") 
 # ----------------------------------------------------------------------------- load, in a fresh process
 
 
-def peak_rss() -> int:
-    """The process's resident-memory high-water mark in bytes. On Linux from ``VmHWM``, because
-    ``getrusage``'s ``ru_maxrss`` survives ``exec``: a child started by a big parent inherits
-    the parent's peak."""
+def rss() -> tuple[int, int]:
+    """The process's resident memory now and its high-water mark, in bytes. On Linux from
+    ``/proc``, because ``getrusage``'s ``ru_maxrss`` survives ``exec``: a child started by a big
+    parent inherits the parent's peak."""
     status = Path("/proc/self/status")
     if status.is_file():
-        for line in status.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
+        fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+        return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+    import psutil
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-
-
-def current_rss() -> int:
-    """The process's resident memory now, in bytes (``/proc`` on Linux, else psutil)."""
-    statm = Path("/proc/self/statm")
-    if statm.is_file():
-        return int(statm.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    import psutil
-
-    return psutil.Process().memory_info().rss
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return psutil.Process().memory_info().rss, peak
 
 
 def probe_load(path: str, fmt: str, device: str) -> dict:
     """Run in a fresh process: seconds to load ``fmt`` and the process's memory around it."""
-    before = current_rss()
+    before = rss()[0]
     start = time.perf_counter()
     model = load_format(path, fmt, device)
     gc.collect()
     seconds = time.perf_counter() - start
-    return {"load_s": seconds, "weight_bytes": model_bytes(model), "rss_before": before,
-            "rss_loaded": current_rss(), "rss_peak": peak_rss()}
+    loaded, peak = rss()
+    return {"load_s": seconds, "weight_bytes": model_bytes(model), "rss_before": before, "rss_loaded": loaded,
+            "rss_peak": peak}
 
 
 def measure_load(path: str | Path, fmt: str, device: torch.device) -> dict:
@@ -199,13 +193,10 @@ def _medians_and_quartiles(samples: dict[str, list[float]], wide_batch: int) -> 
     """One format's figures: the median TTFT and decode rates, each with its quartiles (``*_iqr``,
     low to high), so a table can show how far the rounds spread. A rate's low quartile comes from
     the step time's high one."""
-    ttft = np.percentile(samples["ttft"], [25, 50, 75])
-    b1 = np.percentile(samples["b1"], [75, 50, 25])
-    wide = np.percentile(samples["wide"], [75, 50, 25])
-    return {"ttft_s": float(ttft[1]), "ttft_s_iqr": [float(ttft[0]), float(ttft[2])],
-            "decode_b1": 1 / float(b1[1]), "decode_b1_iqr": [1 / float(b1[0]), 1 / float(b1[2])],
-            "decode_wide": wide_batch / float(wide[1]),
-            "decode_wide_iqr": [wide_batch / float(wide[0]), wide_batch / float(wide[2])]}
+    ttft, b1, wide = (Timing.of(samples[k]) for k in ("ttft", "b1", "wide"))
+    return {"ttft_s": ttft.median, "ttft_s_iqr": [ttft.q1, ttft.q3],
+            "decode_b1": 1 / b1.median, "decode_b1_iqr": [1 / b1.q3, 1 / b1.q1],
+            "decode_wide": wide_batch / wide.median, "decode_wide_iqr": [wide_batch / wide.q3, wide_batch / wide.q1]}
 
 
 def kv_bytes_per_step(model: GPT, context: int) -> int:
@@ -294,9 +285,7 @@ def table_rows(report: dict) -> list[list[str]]:
 
 
 def _spread(row: dict, key: str, scale: float, fmt: str) -> str:
-    """A figure's quartiles as 'q1..q3', or 'one round' for a report saved before they were kept."""
-    if f"{key}_iqr" not in row:
-        return "one round"
+    """A figure's quartiles as 'q1..q3'."""
     low, high = row[f"{key}_iqr"]
     return f"{low * scale:{fmt}}..{high * scale:{fmt}}"
 
@@ -358,19 +347,11 @@ def add_arguments(p) -> None:
     p.add_argument("--wide-batch", type=int, default=LabSettings.wide_batch, help="sequences in the wide decode steps")
     p.add_argument("--rounds", type=int, default=LabSettings.rounds, help="timing rounds (every format once per "
                                                                         "round, in turn); rates are medians")
-    p.add_argument("--device", default=None)
-    p.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
-    p.add_argument("--smoke", action="store_true", help="a tiny run that checks the lab works (CI; also under MINILLM_QUICK)")
+    add_options(p, "--device", "--out", "--smoke")
 
 
-def run_from_args(args, out: Path) -> dict:
+def run_from_args(args, out: Path) -> Path:
     """Check the options, run the lab on the checkpoint, print the table, save JSON and a plot."""
-    from minillm.model.checkpoint import CHECKPOINT_NAME, preset_dir
-    from minillm.train.trainer import load_or_train
-    from minillm.cli import UsageError
-    from minillm.machine.hardware import default_device
-    from minillm.settings import quick
-
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     try:
         [check_format(f) for f in formats]
@@ -394,12 +375,5 @@ def run_from_args(args, out: Path) -> dict:
     print(f"quantization lab: {path} on {device}, formats {', '.join(formats)}", flush=True)
     report = run_lab(path, formats, device, settings)
     print("\n" + markdown_table(report))
-    out.mkdir(parents=True, exist_ok=True)
-    target = out / f"quant-{device.type}.json"
-    target.write_text(json.dumps(report, indent=2) + "\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    plot(report, target.with_suffix(".png"))
-    print(f"\nsaved {target}")
-    return report
+    pyplot()  # Agg before the figure: it goes to a file
+    return save_report(report, out / f"quant-{device.type}.json", lambda r, png: save_figure(plot(r), png))

@@ -21,18 +21,23 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 
+from minillm.bench import add_options, interleaved_times, pyplot, save_figure, save_report
+from minillm.cli import UsageError
 from minillm.data.corpus import prepare_corpus
 from minillm.speedups.speculative.drafters import ModelDrafter, NgramDrafter
 from minillm.decoding.generate import ContiguousKVCache, generate_kv_cache
-from minillm.machine.hardware import Timing, device_name, median_seconds
+from minillm.machine.hardware import Timing, device_name
 from minillm.model.gpt import GPT
 from minillm.speedups.speculative.rule import SpeculativeStats, generate_speculative
 from minillm.data.tokenizer import get_tokenizer
+from minillm.settings import quick
+from minillm.train.trainer import load_or_train
 
 KS = list(range(1, 9))
 
@@ -95,32 +100,35 @@ def predicted_speedup(row: dict, costs: dict, drafter_step_s: float) -> float:
     return row["tokens_per_pass"] * costs["target_step_s"] / pass_cost
 
 
+def _cached_step(model: GPT, batch: int, n: int, context: int,
+                 cache: ContiguousKVCache | None = None) -> Callable[[], None]:
+    """A forward over ``n`` new tokens of ``batch`` sequences after ``context`` cached positions
+    (in ``cache``, else a fresh one prefilled with random tokens), rolled back after every run."""
+    device, vocab = model.device, model.cfg.vocab_size
+    if cache is None:
+        cache = ContiguousKVCache(model, batch, context + n)
+        model(torch.randint(vocab, (batch, context), device=device), cache=cache)
+    tokens = torch.randint(vocab, (batch, n), device=device)
+    positions = torch.arange(context, context + n, device=device).expand(batch, n)
+
+    def step() -> None:
+        model(tokens, positions, cache)
+        cache.length = context
+
+    return step
+
+
 @torch.no_grad()
 def step_costs(target: GPT, draft: GPT, ks: list[int], context: int = 64, repeats: int = 20) -> dict:
     """Median seconds of one target step over 1 and over ``k + 1`` tokens, and of one draft
     step, each after ``context`` cached positions (rolled back after every run). Every variant
     runs once per round, so a busy neighbour slows them alike."""
-    device = target.device
-
-    def stepper(model: GPT, n: int) -> Callable[[], None]:
-        cache = ContiguousKVCache(model, 1, context + n)
-        model(torch.randint(model.cfg.vocab_size, (1, context), device=device), cache=cache)
-        tokens = torch.randint(model.cfg.vocab_size, (1, n), device=device)
-        positions = torch.arange(context, context + n, device=device)[None]
-
-        def step() -> None:
-            model(tokens, positions, cache)
-            cache.length = context
-
-        return step
-
-    variants = {"target": stepper(target, 1), "draft": stepper(draft, 1), **{k: stepper(target, k + 1) for k in ks}}
-    times = _interleaved_times(variants, device, repeats)
+    variants = {"target": _cached_step(target, 1, 1, context), "draft": _cached_step(draft, 1, 1, context),
+                **{k: _cached_step(target, 1, k + 1, context) for k in ks}}
+    times = interleaved_times(variants, target.device, repeats)
     median = {name: statistics.median(t) for name, t in times.items()}
     return {"context": context, "target_step_s": median["target"], "draft_step_s": median["draft"],
-            "verify_s": {k: median[k] for k in ks},
-            "quartiles_s": {"target": _quartiles(times["target"]), "draft": _quartiles(times["draft"]),
-                            **{k: _quartiles(times[k]) for k in ks}}}
+            "verify_s": {k: median[k] for k in ks}, "quartiles_s": {name: _quartiles(t) for name, t in times.items()}}
 
 
 def _quartiles(times: list[float]) -> list[float]:
@@ -135,37 +143,17 @@ def batched_verify_cost(target: GPT, batch_sizes: list[int], k: int, context: in
     one new token each, and with ``k + 1`` (a speculative verification for every sequence).
     The ratio is what verification costs in plain steps: near 1 while the step is memory-bound,
     heading for ``k + 1`` once ``B * (k + 1)`` tokens make it compute-bound (chapter 1)."""
-    device = target.device
     rows = []
     for b in batch_sizes:
         cache = ContiguousKVCache(target, b, context + k + 1)
-        target(torch.randint(target.cfg.vocab_size, (b, context), device=device), cache=cache)
-
-        def step(n: int) -> Callable[[], None]:
-            tokens = torch.randint(target.cfg.vocab_size, (b, n), device=device)
-            positions = torch.arange(context, context + n, device=device).expand(b, n)
-
-            def run() -> None:
-                target(tokens, positions, cache)
-                cache.length = context
-
-            return run
-
-        times = _interleaved_times({"one": step(1), "verify": step(k + 1)}, device, repeats)
+        target(torch.randint(target.cfg.vocab_size, (b, context), device=target.device), cache=cache)
+        steps = {"one": _cached_step(target, b, 1, context, cache),
+                 "verify": _cached_step(target, b, k + 1, context, cache)}
+        times = interleaved_times(steps, target.device, repeats)
         one, verify = statistics.median(times["one"]), statistics.median(times["verify"])
         rows.append({"batch": b, "step_s": one, "verify_s": verify, "ratio": verify / one,
                      "step_quartiles_s": _quartiles(times["one"]), "verify_quartiles_s": _quartiles(times["verify"])})
     return rows
-
-
-def _interleaved_times(variants: dict, device: torch.device, repeats: int) -> dict:
-    """Each variant's seconds in each of ``repeats`` rounds, every variant timed once a round
-    (after one untimed warm-up each), so a busy neighbour slows them alike."""
-    times: dict = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, fn in variants.items():
-            times[name].append(median_seconds(fn, device, repeats=1, warmup=1 if not times[name] else 0))
-    return times
 
 
 def measure(
@@ -242,14 +230,7 @@ def run(target: GPT, draft: GPT, *, num_prompts: int, prompt_len: int, max_new: 
 
 def plot(report: dict, path) -> None:
     """Speedup and per-position acceptance against k: one line per (drafter, text)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig = figure(report, plt)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(figure(report, pyplot()), path)
 
 
 def figure(report: dict, plt):
@@ -281,18 +262,11 @@ def add_arguments(p) -> None:
     p.add_argument("--rounds", type=int, default=5, help="timed rounds; speedups are ratios of medians")
     p.add_argument("--max-k", type=int, default=8, help="measure k = 1 .. MAX_K draft tokens")
     p.add_argument("--threads", type=int, default=None, help="PyTorch CPU threads (default: PyTorch's choice)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
+    add_options(p, "--device", "--out")
 
 
-def run_from_args(args, out) -> dict:
+def run_from_args(args, out: Path) -> Path:
     """Load (or train) the ``cpu`` target and the ``draft`` model, measure, save JSON and a plot."""
-    import json
-
-    from minillm.train.trainer import load_or_train
-    from minillm.cli import UsageError
-    from minillm.settings import quick
-
     if min(args.num_prompts, args.prompt_len, args.max_new_tokens, args.rounds, args.max_k) < 1:
         raise UsageError("--num-prompts, --prompt-len, --max-new-tokens, --rounds and --max-k must be at least 1")
     if args.threads is not None:
@@ -308,9 +282,4 @@ def run_from_args(args, out) -> dict:
         raise UsageError(f"--prompt-len + --max-new-tokens must fit the context of {target.cfg.context_length} tokens")
     report = run(target, draft, num_prompts=args.num_prompts, prompt_len=args.prompt_len,
                  max_new=args.max_new_tokens, rounds=args.rounds, ks=list(range(1, args.max_k + 1)))
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "speculative-cpu.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, out / "speculative-cpu.png")
-    print(f"\nsaved {path}")
-    return report
+    return save_report(report, out / "speculative-cpu.json", plot)

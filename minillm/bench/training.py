@@ -1,22 +1,14 @@
 """Where a training step's time goes, and what each change to the step bought (chapter 4).
 
-Two measurements on random tokens (speed does not depend on what they say):
-
-- :func:`profile_step` times the parts of one optimizer step: the blocks' forward, the output
-  layer with its loss, the backward pass, and clipping with the AdamW update, for the plain
-  step (``F.cross_entropy`` over full logits, the unfused AdamW) and for the package's (the
-  chunked fused loss of :mod:`minillm.model.losses`, PyTorch's fused AdamW);
-- :func:`compare_steps` times whole steps of each version of the step, interleaved round by
-  round so that a machine whose speed drifts slows them all alike, and reports the median and
-  the spread of tokens per second.
-
-``python -m minillm.bench training`` runs both and saves ``training-<preset>.json`` and a plot.
+Two measurements on random tokens (speed does not depend on what they say): the parts of one
+optimizer step (:func:`profile_step`), and whole steps of each version from the plain step
+(``F.cross_entropy`` over full logits, the unfused AdamW) to the package's (the chunked fused
+loss of :mod:`minillm.model.losses`, PyTorch's fused AdamW) (:func:`compare_steps`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import statistics
 import time
 from dataclasses import replace
@@ -28,7 +20,8 @@ import torch.nn.functional as F
 
 from minillm.train import trainer as T
 from minillm.model.config import get_preset
-from minillm.machine.hardware import default_device, device_name
+from minillm.bench import interleaved_times, pyplot, save_figure
+from minillm.machine.hardware import default_device, device_name, synchronize
 from minillm.model.losses import linear_cross_entropy
 from minillm.model.gpt import GPT
 
@@ -61,15 +54,10 @@ def _setup(preset: str, batch_size: int, seq_len: int | None, dtype: str, device
     return model, optimizer, amp, (x[:, :-1], x[:, 1:])
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def compare_steps(preset: str = "cpu", *, batch_size: int = 8, seq_len: int | None = None, dtype: str = "float32",
                   repeats: int = 5, device: torch.device | None = None) -> dict:
     """Whole optimizer steps of every version in :data:`VARIANTS`, one of each per round, after
-    a warm-up round: ``{name: {"seconds": [...], "tok_s": median, "tok_s_min", "tok_s_max"}}``."""
+    a warm-up each: ``{name: {"seconds": [...], "tok_s": median, "tok_s_min", "tok_s_max"}}``."""
     device = device or default_device()
     runs = {}
     for name, (fused_loss, fused_opt) in VARIANTS.items():
@@ -77,14 +65,7 @@ def compare_steps(preset: str = "cpu", *, batch_size: int = 8, seq_len: int | No
         runner = model if fused_loss else PlainLoss(model)
         scaler = torch.amp.GradScaler(device.type, enabled=False)
         runs[name] = (lambda r=runner, o=optimizer, a=amp, b=batch, s=scaler: T.train_step(r, o, s, a, [b], 1.0))
-    seconds: dict[str, list[float]] = {name: [] for name in runs}
-    for round_ in range(repeats + 1):
-        for name, step in runs.items():
-            start = time.perf_counter()
-            step()
-            _sync(device)
-            if round_:  # round 0 warms every version up
-                seconds[name].append(time.perf_counter() - start)
+    seconds = interleaved_times(runs, device, repeats)
     tokens = batch_size * (seq_len or get_preset(preset).context_length)
     return {name: {"seconds": s, "tok_s": tokens / statistics.median(s), "tok_s_min": tokens / max(s),
                    "tok_s_max": tokens / min(s)} for name, s in seconds.items()}
@@ -102,7 +83,7 @@ def profile_step(preset: str = "cpu", *, batch_size: int = 8, seq_len: int | Non
     def timed(name: str, fn):
         start = time.perf_counter()
         out = fn()
-        _sync(device)
+        synchronize(device)
         parts[name].append((time.perf_counter() - start) * 1e3)
         return out
 
@@ -150,21 +131,9 @@ def format_report(run_: dict, title: str) -> str:
     return "\n".join(lines)
 
 
-def save(report: dict, out: Path) -> Path:
-    """``training-<preset>.json`` and a plot: the profile as stacked bars, the ladder beside it."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"training-{report['preset']}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, path.with_suffix(".png"))
-    return path
-
-
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """The profile as stacked bars, the ladder of throughputs beside it."""
+    plt = pyplot()
     runs = report["runs"]
     fig, axes = plt.subplots(len(runs), 2, figsize=(11, 3.4 * len(runs)), squeeze=False)
     for (ax1, ax2), (dtype, run_) in zip(axes, runs.items()):
@@ -187,6 +156,4 @@ def plot(report: dict, path: Path) -> None:
         ax2.set(xlabel="training tokens/s (median, min-max)", title=f"{report['repeats']} interleaved rounds")
     fig.suptitle(f"{report['device']}, {report['threads']} threads, batch {report['batch_size']} x {report['seq_len']}",
                  fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

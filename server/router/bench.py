@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import random
 import time
 from dataclasses import asdict, dataclass, replace
@@ -32,8 +31,9 @@ from typing import AsyncIterator, Sequence
 
 import aiohttp
 
+from minillm.bench import add_options, results_dir, save_figure, save_report
 from minillm.cli import ArgumentParser, run
-from minillm.settings import project_root, quick
+from minillm.settings import quick
 from server.launch import ServerProcess, start_server, stop_all
 from server.loadgen.client import LoadRun, LoadSpec, arrival_times, send_request
 from server.loadgen.stats import RequestResult, Summary, parse_slo, summarize
@@ -291,18 +291,13 @@ def make_report(size: BenchSizes, results: dict) -> dict:
 
 
 def save(report: dict, out: Path, device: str = "cpu") -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"router-{device}.json"
-    path.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-    import matplotlib.pyplot as plt
-
-    plt.close(plot(report, out / f"router-{device}.png"))
-    return path
+    return save_report(report, out / f"router-{device}.json", lambda r, png: save_figure(plot(r), png, dpi=110),
+                       allow_nan=False)
 
 
-def plot(report: dict, path: Path | None = None):
+def plot(report: dict):
     """Four panels: p99 TTFT by replica count, by policy under skew, hit rate by policy, and
-    the failover timeline. Saved to ``path`` when given; returns the figure."""
+    the failover timeline."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
@@ -331,8 +326,6 @@ def plot(report: dict, path: Path | None = None):
     healthy.set(ylabel="healthy replicas (dotted)", ylim=(0, report["sizes"]["replicas"] + 2))
     axes[3].legend(fontsize=8, loc="upper left")
     fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=110)
     return fig
 
 
@@ -341,11 +334,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = ArgumentParser(prog="python -m server.router.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default=None, help="what the replicas serve (default: the cpu preset's)")
-    parser.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
+    add_options(parser, "--out")
     args = parser.parse_args(argv)
-    report = bench(args.checkpoint or str(preset_dir("cpu")))
-    out = Path(args.out) if args.out else (project_root() or Path.cwd()) / "benchmarks" / "results"
-    print(f"saved {save(report, out)}")
+    print(f"saved {save(bench(args.checkpoint or str(preset_dir('cpu'))), results_dir(args.out))}")
     return 0
 
 
