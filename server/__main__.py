@@ -26,8 +26,7 @@ from minillm.data.tokenizer import get_tokenizer
 from minillm.train.trainer import load_or_train
 from server.app import STATE, create_app
 from server.config import ServerConfig, flag_error, parse_args
-from server.connections import connection_room, limit_connections
-from server.signals import stop_on_signals
+from server.connections import running, stop_on_signals
 
 log = logging.getLogger("server")
 
@@ -98,25 +97,16 @@ async def serve(app: web.Application, config: ServerConfig, stop: asyncio.Event,
                 on_ready: Callable[[int], None] = lambda port: None) -> None:
     """Serve ``app`` until ``stop`` is set, then shut down gracefully (module docstring).
     ``on_ready`` gets the port actually bound (``--port 0`` picks a free one)."""
-    # lingering_time: how long aiohttp reads (and drops) the rest of a body it refused before it
-    # closes; like the body itself, that gets --client-timeout, not aiohttp's 10 s
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=config.shutdown_grace,
-                           keepalive_timeout=config.keep_alive_timeout, lingering_time=config.client_timeout)
-    await runner.setup()
-    limit_connections(runner.server, connection_room(config.max_connections))
-    try:
-        site = web.TCPSite(runner, config.host, config.port)
-        await site.start()
-        on_ready(runner.addresses[0][1])
+    async with running(app, config.host, config.port, config.shutdown_grace, config.keep_alive_timeout,
+                       config.max_connections, config.client_timeout) as url:
+        on_ready(int(url.rpartition(":")[2]))
         await stop.wait()
         log.info("shutting down: %.0f s for in-flight requests to finish", config.shutdown_grace)
-    finally:
-        await runner.cleanup()
 
 
 async def _serve_until_signalled(app: web.Application, config: ServerConfig, notes: list[str]) -> bool:
     """Serve until the first SIGINT or SIGTERM, or until the engine loop crashes; True in the
-    last case. A second Ctrl+C stops at once (:mod:`server.signals`)."""
+    last case. A second Ctrl+C stops at once (:func:`server.connections.stop_on_signals`)."""
     stop = stop_on_signals()
     crashed = False
 

@@ -1,20 +1,15 @@
 """The HTTP side: aiohttp routes that speak OpenAI's API over the engine loop.
 
-A completion request goes: read the body (413 past the size limit, 408 if it takes longer than
-``--client-timeout``) -> check and tokenize it
-(:mod:`server.protocol`, 400/404 on anything wrong) -> :meth:`AsyncEngine.submit` -> wait
-until the engine accepts it (429 when the waiting queue is full, 503 while shutting down)
--> answer with one JSON body, or stream server-sent events as tokens arrive.
+A completion request goes: read the body (413 past the size limit, 408 past
+``--client-timeout``) -> check and tokenize it (:mod:`server.protocol`; 400/404) ->
+:meth:`AsyncEngine.submit` -> wait until the engine accepts it (429 when the waiting queue is
+full, 503 while shutting down) -> one JSON body, or server-sent events as tokens arrive.
 
-Every handler that submitted work closes its stream in a ``finally``. aiohttp cancels a
-handler whose client disconnects (``handler_cancellation=True``), so a client that walks
-away mid-stream lands in that ``finally`` at once, its choices are aborted before the next
-engine step, and their KV blocks go back to the pool. A client that stays but stops reading
-is treated the same once a write has waited ``--client-timeout`` for it.
-
-Each completion request ends with one access-log line (logger ``server.access``) in
-``key=value`` form: request id, status, prompt and completion tokens, time to first output
-and total time as the handler saw them (from arrival, ``time.monotonic()``), finish reasons.
+aiohttp cancels the handler of a client that disconnects (``handler_cancellation=True``), and a
+client that stops reading is cut off once a write has waited ``--client-timeout``; either way
+the handler's ``finally`` closes its stream, so its choices are aborted before the next engine
+step and their KV blocks go back to the pool. Each completion request ends with one
+``key=value`` access-log line (logger ``server.access``).
 """
 
 from __future__ import annotations
@@ -27,9 +22,10 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Callable
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from minillm.engine.llm_engine import LLMEngine
 from minillm.decoding.logprobs import TokenLogprobs
@@ -38,17 +34,17 @@ from server.config import ServerConfig
 from server.dashboard import add_dashboard
 from server.engine_loop import AsyncEngine, EngineFailure, Event, QueueFull, Rejected, RequestStream, ShuttingDown
 from server.logprobs_format import chat_logprobs, completion_logprobs, end_offset, unscored
-from server.metrics import CONTENT_TYPE, Metrics
+from server.metrics import Metrics
 from server.protocol import GenerationRequest, ModelCard, parse_chat, parse_completion
 from server.responses import Responses, models_list, usage
 from server.tokens_api import add_token_routes
-from server.wire import OpenAIError, invalid, read_json, sse, write_within
+from server.wire import (CLIENT_GONE, SSE_HEADERS, Handler, OpenAIError, invalid, openai_errors, read_json, sse,
+                         write_within)
 
 access_log = logging.getLogger("server.access")
 log = logging.getLogger("server")
 
 RETRY_AFTER_SECONDS = 1
-CLIENT_GONE = 499  # nginx's status for "the client closed the connection", for the access log
 OPEN_PATHS = frozenset({"/health"})  # what a load balancer probes: never behind the API key
 CUT_MARGIN_S = 0.5  # streams are ended this long (at most half the grace) before aiohttp's grace runs out
 
@@ -78,7 +74,8 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> web.Application:
     ``shutdown_timeout``) stops the thread."""
     async_engine = AsyncEngine(engine, config.max_queue)
     card = ModelCard(config.served_model_name, engine.model.cfg.context_length, engine.model.cfg.vocab_size)
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[errors, auth])
+    app = web.Application(client_max_size=config.max_body_bytes,
+                          middlewares=[openai_errors("server", log, _count), auth])
     app[STATE] = state = State(async_engine, Metrics(async_engine), card, engine.tokenizer, config.api_key,
                                config.stall_timeout, config.client_timeout, config.shutdown_grace)
     state.metrics.show_memory(engine)
@@ -120,33 +117,11 @@ async def _stop_engine(app: web.Application) -> None:
 
 # ----------------------------------------------------------------------------- middleware
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-
-def error_response(err: OpenAIError) -> web.Response:
-    return web.json_response(err.body(), status=err.status, headers=err.headers)
-
-
-@web.middleware
-async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure leaves as OpenAI-shaped JSON, and every response is counted by status."""
-    try:
-        response = await handler(request)
-    except OpenAIError as err:
-        response = error_response(err)
-    except web.HTTPException as err:  # aiohttp's own: 404/405 routing, 413 body too large
-        response = error_response(OpenAIError(err.status, err.text or err.reason, _error_type(err.status)))
-    except Exception:
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        response = error_response(OpenAIError(500, "internal server error", "server_error"))
+def _count(request: web.Request, status: int) -> None:
     resource = request.match_info.route.resource
     path = resource.canonical if resource is not None else "unmatched"
-    request.app[STATE].metrics.http.labels(path, str(response.status)).inc()
-    return response
-
-
-def _error_type(status: int) -> str:
-    return "server_error" if status >= 500 else "invalid_request_error"
+    request.app[STATE].metrics.http.labels(path, str(status)).inc()
 
 
 @web.middleware
@@ -159,8 +134,8 @@ async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     key = request.app[STATE].api_key
     if key is not None and request.path not in OPEN_PATHS and not has_key(request.headers.get("Authorization", ""), key):
         challenge = "Bearer" if request.path.startswith("/v1") else 'Basic realm="minillm", charset="UTF-8"'
-        raise OpenAIError(401, "missing or incorrect API key", "invalid_request_error", None, "invalid_api_key",
-                          {"WWW-Authenticate": challenge})
+        raise OpenAIError(401, "missing or incorrect API key", code="invalid_api_key",
+                          headers={"WWW-Authenticate": challenge})
     return await handler(request)
 
 
@@ -203,7 +178,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[STATE].metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    return web.Response(body=request.app[STATE].metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 # ----------------------------------------------------------------------------- completions
@@ -248,21 +223,18 @@ ENGINE_ERRORS = (QueueFull, ShuttingDown, Rejected, EngineFailure)
 def as_openai_error(err: Exception) -> OpenAIError:
     """The engine loop's refusals and failures, in HTTP terms."""
     if isinstance(err, QueueFull):
-        return OpenAIError(429, f"the server is busy ({err}); retry shortly", "rate_limit_error", None,
-                           "rate_limit_exceeded", {"Retry-After": str(RETRY_AFTER_SECONDS)})
+        return OpenAIError(429, f"the server is busy ({err}); retry shortly", "rate_limit_error",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(err, ShuttingDown):
-        return OpenAIError(503, str(err), "server_error", None, "shutting_down")
+        return OpenAIError(503, str(err), code="shutting_down")
     if isinstance(err, Rejected):
         return invalid(str(err))
-    return OpenAIError(500, str(err), "server_error", None, "engine_error")
+    return OpenAIError(500, str(err), code="engine_error")
 
 
 async def _generate(request: web.Request, parse: Callable, prefix: str) -> web.StreamResponse:
-    """Check, submit, wait for the engine to accept, then answer whole or streamed.
-
-    Whatever happens (an answer, an error, a cancelled handler), the ``finally`` closes the
-    stream, which aborts unfinished choices, and writes the access-log line.
-    """
+    """Check, submit, wait for the engine to accept, then answer whole or streamed; whatever
+    happens, the ``finally`` closes the stream (aborting what is unfinished) and logs."""
     state = request.app[STATE]
     record = AccessRecord(f"{prefix}-{uuid.uuid4().hex}", request.path, time.monotonic())
     stream: RequestStream | None = None
@@ -359,14 +331,10 @@ async def _whole(events: AsyncIterator[Event], n: int, responses: Responses, rec
 
 async def _stream(request: web.Request, events: AsyncIterator[Event], responses: Responses,
                   record: AccessRecord, extras: Extras) -> web.StreamResponse:
-    """Server-sent events: a chunk whenever a choice has new text (or finishes), then the
-    usage chunk if asked for, then ``data: [DONE]``.
-
-    Once the first byte is out the status line is fixed at 200, so an engine failure after
-    that is reported as an ``{"error": ...}`` event, which OpenAI's clients raise as an error.
-    """
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-Id": record.request_id})
+    """Server-sent events: a chunk whenever a choice has new text (or finishes), the usage
+    chunk if asked for, then ``data: [DONE]``. Once the first byte is out the status is fixed
+    at 200, so a later failure is an ``{"error": ...}`` event, which OpenAI's clients raise."""
+    response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": record.request_id})
     await response.prepare(request)
     timeout = request.app[STATE].client_timeout
 

@@ -1,13 +1,9 @@
 """The server's settings: one dataclass, filled from flags or environment variables.
 
-Every flag ``--some-flag`` can also be set as ``MINILLM_SOME_FLAG`` (``--port`` is
-``MINILLM_PORT``), the way containers and process managers like to configure a service; a flag
-given on the command line wins over the variable. A value argparse cannot read, from either
-source, is reported in one line.
-
-The engine's options are checked by the engine alone (``EngineConfig`` and
-:func:`~minillm.engine.build.check_options`, the checks ``LLM`` runs too), before any weights
-load; their :class:`EngineOptionError` names the option, reported here as its flag.
+Every flag ``--some-flag`` can also be set as ``MINILLM_SOME_FLAG``, the way containers and
+process managers like to configure a service; a flag on the command line wins. The engine's
+options are checked by the engine alone (:func:`~minillm.engine.build.check_options`, as
+``LLM`` checks them), before any weights load, and reported here as their flags.
 """
 
 from __future__ import annotations
@@ -20,28 +16,15 @@ from minillm.cli import ArgumentParser, UsageError
 from minillm.engine.build import check_options
 from minillm.engine.config import EngineConfig, EngineOptionError
 from server.connections import CLIENT_FLAGS, CLIENT_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, MAX_CONNECTIONS
-from server.flags import LOG_LEVELS, add_env_flags, byte_size, dataclass_defaults, env_name
+from server.flags import LOG_LEVELS, add_env_flags, byte_size, check, dataclass_defaults, env_name, listener_rules
 from server.wire import MAX_BODY_BYTES
 
 
 @dataclass
 class ServerConfig:
-    """What to serve, where, and how much work to take on.
-
-    ``max_queue`` bounds the engine's waiting queue: a request arriving when that many are
-    already waiting is answered 429 at once, because queueing it would only make every
-    client wait longer. ``shutdown_grace`` is how long in-flight requests may run after a
-    SIGTERM before they are aborted. ``stall_timeout``: a step running longer than this (a
-    wedged kernel, a dead tensor-parallel worker) turns ``/health`` to 503.
-
-    Slow clients: a connection must send a request's head within ``keep_alive_timeout`` of
-    opening (or of its previous answer), else it is closed; a request's body must arrive, and
-    each write of a stream must leave, within ``client_timeout``; at most ``max_connections``
-    sockets are open at once (lowered, with a warning, to what the descriptor limit allows).
-
-    ``memory_budget`` is the whole server's memory (the engine's ``memory_budget``: on a GPU
-    its device memory, on a CPU the process's resident set); ``kv_cache_memory`` sizes the KV
-    cache alone. Both size the cache, so the engine refuses both together.
+    """What to serve, where, and how much work to take on (each field is a flag; ``FLAGS``
+    says what it does). A request arriving when ``max_queue`` are already waiting is answered
+    429 at once, because queueing it would only make every client wait longer.
     """
 
     checkpoint: str | None = None
@@ -73,21 +56,12 @@ class ServerConfig:
     enforce_eager: bool | None = None
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if self.shutdown_grace < 0:
-            raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
-        for name in ("stall_timeout", "keep_alive_timeout", "client_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
-        if self.max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        check(self, [*listener_rules(self), ("stall_timeout", self.stall_timeout > 0, "> 0 seconds"),
+                     ("max_queue", self.max_queue >= 1, ">= 1")])
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it unset to serve without a key)")
-        if self.max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
         # the engine's own checks, now rather than after loading the model
         check_options(self.engine_config(), dtype=self.dtype, quantize=self.quantize,
                       speculative_draft=self.speculative_draft, num_speculative_tokens=self.num_speculative_tokens)
@@ -170,14 +144,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
     """Flags and environment to a checked ``ServerConfig``; any problem is a ``UsageError``."""
     try:
-        args = build_parser(environ).parse_args(argv)
-    except ValueError as err:  # an environment variable argparse never saw
-        raise UsageError(str(err)) from None
-    try:
-        return ServerConfig(**vars(args))
+        return ServerConfig(**vars(build_parser(environ).parse_args(argv)))
     except EngineOptionError as err:
         raise flag_error(err) from None
-    except ValueError as err:
+    except ValueError as err:  # a setting's check, or an environment variable argparse never saw
         raise UsageError(str(err)) from None
 
 

@@ -1,26 +1,35 @@
-"""What an open socket may cost the server: a cap on connections, within the descriptor limit.
+"""How the server and the router serve: what an open socket may cost them (a cap on
+connections, within the descriptor limit), the app runner that applies it, and how they stop.
 
-Every connection holds a file descriptor, and a process that runs out of descriptors cannot
-accept a connection, open a file or log to one. Timeouts bound how long a slow client keeps
-its socket (``--keep-alive-timeout`` for the request's head, ``--client-timeout`` for its
-body and for stream writes), but a few thousand sockets opened at once still arrive within any
-timeout. So the server counts its connections: one past ``--max-connections`` is answered
-503 at once, in OpenAI's error shape, and closed, before it costs a handler. The cap is held
-below the process's descriptor limit (``ulimit -n``), which is first raised to its hard
-limit where the soft one is lower, as Go's runtime and nginx's ``worker_rlimit_nofile`` do.
+Every connection holds a file descriptor, and a process out of descriptors cannot accept a
+connection, open a file or log. Timeouts bound how long a slow client keeps its socket, but a
+few thousand sockets opened at once still arrive within any timeout. So one connection past
+``--max-connections`` is answered 503 at once and closed, before it costs a handler. The cap
+is held below the descriptor limit (``ulimit -n``), first raised to its hard limit where the
+soft one is lower, as Go's runtime and nginx's ``worker_rlimit_nofile`` do.
+
+The first SIGINT or SIGTERM asks for a graceful stop and removes the handlers, so a second is
+Python's own KeyboardInterrupt (or SIGTERM's default action): it stops at once, instead of
+asking to wait out the grace period again.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import resource
-from typing import Any
+import signal
+from typing import Any, AsyncIterator
+
+from aiohttp import web
 
 from server.wire import OpenAIError
 
 log = logging.getLogger("server")
 
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
 SPARE_DESCRIPTORS = 64  # for what is not a client: the model's files, logs, the engine's pipes
 
 # The client-facing limits, the same for the server and the router (their defaults and flags).
@@ -34,8 +43,8 @@ CLIENT_FLAGS = [
     ("--max-connections", int, "most open connections; more are answered 503 and closed"),
 ]
 
-_body = json.dumps(OpenAIError(503, "the server has too many open connections; retry shortly", "server_error",
-                               None, "too_many_connections").body()).encode()
+_body = json.dumps(OpenAIError(503, "the server has too many open connections; retry shortly",
+                               code="too_many_connections").body()).encode()
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
         b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_body), _body))
 
@@ -60,12 +69,9 @@ def connection_room(wanted: int) -> int:
 
 
 def limit_connections(server: Any, limit: int) -> None:
-    """Cap the open connections of an aiohttp ``web.Server`` (``AppRunner.server``) at ``limit``.
-
-    aiohttp tells its server of each new connection (``connection_made``) before it reads a
-    byte from it; past the limit the answer is written there and the connection closed, so
-    the handler it would have started ends at once.
-    """
+    """Cap the open connections of an aiohttp ``web.Server`` at ``limit``: aiohttp reports each
+    new connection (``connection_made``) before reading a byte, so one past the limit is
+    answered and closed there, and the handler it would have started ends at once."""
     admit = server.connection_made
 
     def connection_made(handler: Any, transport: Any) -> None:
@@ -75,3 +81,40 @@ def limit_connections(server: Any, limit: int) -> None:
             handler.force_close()  # closes the transport once BUSY is flushed
 
     server.connection_made = connection_made
+
+
+@contextlib.asynccontextmanager
+async def running(app: web.Application, host: str = "127.0.0.1", port: int = 0, shutdown_grace: float = 30.0,
+                  keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT_S, max_connections: int | None = None,
+                  client_timeout: float = 10.0) -> AsyncIterator[str]:
+    """Serve ``app`` on the running event loop and yield its URL (``port`` 0: a free one); on
+    exit, in-flight requests get ``shutdown_grace`` seconds, then the app is cleaned up. A
+    connection must send a request's head within ``keep_alive_timeout``; past
+    ``max_connections`` open ones, a new one gets a 503."""
+    # lingering_time: how long aiohttp reads (and drops) the rest of a body it refused before it
+    # closes; like the body itself, that gets the client timeout
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_grace,
+                           keepalive_timeout=keep_alive_timeout, lingering_time=client_timeout)
+    await runner.setup()
+    if max_connections is not None:
+        limit_connections(runner.server, connection_room(max_connections))
+    try:
+        await web.TCPSite(runner, host, port).start()
+        yield f"http://{host}:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event the first SIGINT or SIGTERM sets, on the running loop (call it from there)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        stop.set()
+        for sig in SIGNALS:
+            loop.remove_signal_handler(sig)
+
+    for sig in SIGNALS:
+        loop.add_signal_handler(sig, on_signal)
+    return stop

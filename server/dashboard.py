@@ -1,32 +1,14 @@
 """The live dashboard (chapter 11): ``GET /`` shows the server's vital signs as they move.
 
-One sampler task per server reads the engine's latest stats and the Prometheus histograms
-every ``TICK_S`` and turns them into one small JSON snapshot; every open page receives each
-snapshot over server-sent events (``GET /dashboard/events``). The work is one snapshot per
-tick however many pages watch: no page polls, and a page that connects first gets the recent
-history, so its charts start full.
+One sampler task per server reads the engine's latest stats and the ``/metrics`` histograms
+every ``TICK_S`` into one small JSON snapshot, encoded once as a server-sent event and sent to
+every open page (``GET /dashboard/events``); a page that connects gets the recent history
+first, so its charts start full. TTFT and ITL percentiles are the histograms' bucket counts
+differenced over ``LATENCY_WINDOW_S`` and read as Prometheus' ``histogram_quantile`` reads
+them: server-side, and only as exact as their buckets, unlike the load generator's.
 
-What a snapshot holds, and where it comes from:
-
-- tokens/s and requests/s: the engine's generated-token counter and the finished-request
-  count, differenced over the last ``RATE_WINDOW_S`` seconds;
-- running and waiting requests, KV-cache usage, preemptions, and the batch size (how many
-  sequences the engine's latest step ran): the engine's stats snapshot, which the engine
-  loop takes on the engine's own thread after every step;
-- TTFT and ITL percentiles over the last ``LATENCY_WINDOW_S`` seconds: the difference of the
-  ``/metrics`` histograms' bucket counts across the window, read the way Prometheus'
-  ``histogram_quantile`` reads them. These are server-side and bucketed: a percentile is
-  only as exact as its bucket, unlike the load generator's exact client-side ones.
-
-A page costs the server little, and no page can cost it much: each snapshot is encoded as an
-event once, and every page is sent those same bytes; at most ``MAX_SUBSCRIBERS`` pages watch
-at once (the next gets a 503 with ``Retry-After``); and a page that stops reading is cut off
-after ``--client-timeout`` on one write, instead of pinning its handler and the snapshots
-buffered for it for ever.
-
-The traffic panel (``POST``/``DELETE /dashboard/traffic``, :mod:`server.traffic_panel`) runs
-the load generator inside the server against its own address: one bounded run at a time,
-for the server's own page only (same-origin, JSON), and off on a server with ``--api-key``.
+No page can cost the server much: at most ``MAX_SUBSCRIBERS`` watch at once (the next gets a
+503), and a page that stops reading is cut off after ``--client-timeout`` on one write.
 """
 
 from __future__ import annotations
@@ -46,7 +28,7 @@ from prometheus_client import Histogram
 from server.engine_loop import AsyncEngine
 from server.metrics import Metrics
 from server.traffic_panel import add_traffic
-from server.wire import OpenAIError, sse, write_within
+from server.wire import SSE_HEADERS, OpenAIError, sse, write_within
 
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -146,14 +128,11 @@ class StatsFeed:
             seen = self._ticks
             yield self.history[-1]
 
-    def _read(self) -> Counters:
-        return Counters(self._clock(), self._engine.stats.generated_tokens, buckets(self._metrics.e2e)[1][-1],
-                        buckets(self._metrics.ttft)[1], buckets(self._metrics.itl)[1])
-
     def snapshot(self) -> dict:
         """Now, as the page shows it: rates over ``RATE_WINDOW_S``, latency percentiles (ms)
         over ``LATENCY_WINDOW_S``, and the engine's current state."""
-        now = self._read()
+        now = Counters(self._clock(), self._engine.stats.generated_tokens, buckets(self._metrics.e2e)[1][-1],
+                       buckets(self._metrics.ttft)[1], buckets(self._metrics.itl)[1])
         self._counters.append(now)
         back = min(len(self._counters) - 1, int(RATE_WINDOW_S / TICK_S))
         then, oldest = self._counters[-1 - back], self._counters[0]
@@ -209,11 +188,11 @@ async def events(request: web.Request) -> web.StreamResponse:
     the server stops. Past ``MAX_SUBSCRIBERS`` pages a new one gets a 503 to retry later."""
     feed = request.app[FEED]
     if feed.subscribers >= MAX_SUBSCRIBERS:
-        raise OpenAIError(503, f"{MAX_SUBSCRIBERS} pages are watching already; retry shortly", "server_error",
-                          None, "too_many_subscribers", {"Retry-After": str(SUBSCRIBER_RETRY_AFTER_S)})
+        raise OpenAIError(503, f"{MAX_SUBSCRIBERS} pages are watching already; retry shortly",
+                          code="too_many_subscribers", headers={"Retry-After": str(SUBSCRIBER_RETRY_AFTER_S)})
     feed.subscribers += 1
     try:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         await _relay(request, response, feed)
         return response

@@ -1,39 +1,26 @@
 """The engine loop: one thread steps the engine; the event loop serves HTTP around it.
 
-``LLMEngine.step()`` runs a forward pass: milliseconds to seconds of work during which an
-asyncio event loop that called it could not accept a connection, send a token, or notice a
-client leaving. So the engine gets a thread of its own, the only one that ever touches it,
-and the two sides talk through two one-way channels:
+``LLMEngine.step()`` takes milliseconds to seconds, during which an event loop that called it
+could not accept a connection, send a token or notice a client leaving. So the engine gets a
+thread of its own, the only one that ever touches it, and two one-way channels:
 
-- **In**: a thread-safe inbox (``queue.SimpleQueue``) of messages, "add these requests" and
-  "abort these". Only the engine thread touches the engine; it drains the inbox between
-  steps, so an abort takes effect before the next step, and it blocks on the inbox (costing
-  nothing) when there is no work.
-- **Out**: after every step the thread hands the step's outputs and a stats snapshot to the
-  event loop with ``loop.call_soon_threadsafe``; there each output is put on the asyncio
-  queue of the HTTP request waiting for it.
+- **In**: a thread-safe inbox of messages (add, abort, shut down), drained between steps, so
+  an abort takes effect before the next step; an idle engine blocks on it, costing nothing.
+- **Out**: after every step, ``loop.call_soon_threadsafe`` hands the step's outputs and a stats
+  snapshot to the event loop, which puts each output on its HTTP request's asyncio queue.
 
-Each of a request's ``n`` choices is one engine request, whose id is a :class:`Choice`: the
-HTTP request's id and the choice's index, as data, so an output finds its request and its
-place in the answer without any id being parsed.
+Each of a request's ``n`` choices is one engine request whose id is a :class:`Choice`, so an
+output finds its request and its place in the answer without any id being parsed.
 
-A failed step fails only the requests that were in its batch (their clients get an error,
-their blocks return to the pool); the loop goes on with everyone else. A request that cannot
-be admitted fails alone, whatever it raised. Only a bug in the loop itself ends it: then every
-request gets an error and ``on_crash`` runs (the server exits non-zero, so a supervisor can
-restart it, rather than answer 500 for ever). A step that never returns (a wedged kernel, a
-dead tensor-parallel worker) shows in :attr:`AsyncEngine.stalled_for`, which ``/health`` reads.
+A failed step fails only the requests in its batch, and a request that cannot be admitted fails
+alone; the loop goes on with everyone else. Only a bug in the loop itself ends it: every
+request then gets an error and ``on_crash`` runs (the server exits non-zero, for a supervisor
+to restart it). A step that never returns shows in :meth:`AsyncEngine.stalled_for`, for
+``/health``.
 
-Shutdown comes in three messages: :meth:`AsyncEngine.refuse_queued` when it begins (the
-requests still queued get 503 at once), :meth:`AsyncEngine.cut_off` when the grace period is
-nearly over (the rest end with an error their streams can report), and ``stop``.
-
-Timing: every timestamp is ``time.monotonic()``. The server stamps a request's arrival when
-its handler starts and passes it to ``add_request``; the engine's ``Sequence`` stamps when it
-was first scheduled, each token, and the finish, on the same clock. A request's last
-``RequestOutput`` carries those stamps back (``times``), so queue time, TTFT and inter-token
-latency are server-side figures measured where the engine produced the token, before the hop
-to the socket, and the server holds no reference into the engine's own objects.
+Every timestamp is ``time.monotonic()``: the handler stamps a request's arrival, the engine its
+first scheduling, each token and the finish, and a request's last output carries them back
+(``times``), so queue time, TTFT and ITL are measured where the engine made the token.
 """
 
 from __future__ import annotations
@@ -62,8 +49,7 @@ class ShuttingDown(Exception):
 
 
 class Rejected(Exception):
-    """The engine refused the request: it could never run, e.g. it needs more KV blocks than
-    the whole pool holds (HTTP 400)."""
+    """The engine refused a request that could never run, e.g. too big for the pool (HTTP 400)."""
 
 
 class EngineFailure(Exception):
@@ -105,9 +91,8 @@ class _Abort:
 
 @dataclass
 class _Shutdown:
-    """End requests because the server is stopping: with ``queued_only``, those whose choices
-    are all still queued, never scheduled; without, every unfinished one (the grace period is
-    over)."""
+    """End requests because the server is stopping: those never scheduled (``queued_only``),
+    or, once the grace period is over, every unfinished one."""
 
     queued_only: bool = False
 
@@ -116,13 +101,10 @@ _STOP = object()
 
 
 class RequestStream:
-    """One HTTP request's view of the engine: its choices, and the queue their outputs reach.
-
-    Iterate it for :class:`Event` s until every choice has finished; an error for the request
-    (queue full, rejected, engine failure) is raised from the iteration. Always ``close()`` it,
-    in a ``finally``: whatever has not finished is then aborted, so a handler that stops early
-    for any reason, a vanished client included, gives its KV blocks back.
-    """
+    """One HTTP request's view of the engine: iterate it for :class:`Event` s until every
+    choice has finished (the request's error is raised from the iteration). Always ``close()``
+    it in a ``finally``, so a handler that stops early, for whatever reason, aborts what has not
+    finished and gives its KV blocks back."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, choices: int) -> None:
         self.request_id = request_id
@@ -164,10 +146,7 @@ class RequestStream:
 
 class AsyncEngine:
     """An ``LLMEngine`` driven by its own thread, used from asyncio (vLLM's AsyncLLMEngine).
-
-    ``stats`` is the engine's latest snapshot, replaced on the event loop after every step,
-    so readers need no lock; :meth:`wait_until` waits for a snapshot with some property.
-    """
+    ``stats``, its latest snapshot, is replaced on the event loop after every step: no lock."""
 
     def __init__(self, engine: LLMEngine, max_queue: int = 1024, clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
@@ -329,12 +308,11 @@ class AsyncEngine:
         error = ShuttingDown("the server is shutting down; this request had not started")
         self._abort([choice for choice in queued if waiting[choice.request_id] == choice.count], error)
 
-    def _abort(self, ids: list[Choice], error: Exception | None = None) -> list[Choice]:
+    def _abort(self, ids: list[Choice], error: Exception | None = None) -> None:
         """Abort the unfinished requests among ``ids``; each gets ``error``, if one is given."""
         aborted = [choice for choice in ids if self.engine.abort(choice)]
         if error is not None:
             self._outbox.extend((choice, error) for choice in aborted)
-        return aborted
 
     def _step(self) -> None:
         self._step_started, previous = self.clock(), self.engine.last_step
@@ -349,17 +327,15 @@ class AsyncEngine:
         self._outbox.extend((out.request_id, out) for out in outputs)
 
     def _fail_batch(self, err: Exception, batch: list[Choice] | None) -> None:
-        """End the requests of the step that raised, ``batch``, and nobody else. Each gets the
-        error, those the step had already finished too: the step's outputs are lost, so their
-        clients would otherwise wait for a last token that never comes. If the batch is unknown
-        (scheduling itself failed, so ``last_step`` is still the previous step's), end every
-        request, or the same failure would repeat."""
+        """End the requests of the step that raised, ``batch``, and nobody else; those it had
+        finished too, as their last outputs are lost. If the batch is unknown (scheduling
+        failed), end every request, or the same failure would repeat."""
         log.exception("an engine step failed; ending the requests in its batch")
+        error = EngineFailure(f"the engine failed while {'scheduling' if batch is None else 'generating'}: "
+                              f"{type(err).__name__}: {err}")
         if batch is None:
-            error = EngineFailure(f"the engine failed while scheduling: {type(err).__name__}: {err}")
             self._abort(self.engine.unfinished_request_ids, error)
             return
-        error = EngineFailure(f"the engine failed while generating: {type(err).__name__}: {err}")
         ids = list(dict.fromkeys(batch))
         self._abort(ids)
         self._outbox.extend((choice, error) for choice in ids)

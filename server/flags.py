@@ -1,15 +1,13 @@
-"""Flags that environment variables can set too: ``--max-queue`` or ``MINILLM_MAX_QUEUE``.
-
-Shared by the server's and the router's settings. The router is a plain HTTP proxy that must
-start without torch, so this module imports only the standard library and :mod:`minillm.sizes`
-(which imports only the standard library).
+"""Flags that environment variables can set too (``--max-queue`` or ``MINILLM_MAX_QUEUE``), and
+the checks of the settings they fill: shared by the server and the router, which must start
+without torch, so this module imports only the standard library and :mod:`minillm.sizes`.
 """
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import MISSING, fields
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from minillm.sizes import parse_memory
 
@@ -39,6 +37,24 @@ def byte_size(text: str) -> int:
         return parse_memory(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def check(settings: object, rules: Sequence[tuple[str, bool, str]], as_flags: bool = False) -> None:
+    """Raise a ``ValueError`` for the first ``(field, holds, rule)`` that does not hold, e.g.
+    ``port must be in 0..65535, got 70000`` (``--port must be ...`` with ``as_flags``)."""
+    for name, ok, rule in rules:
+        if not ok:
+            shown = "--" + name.replace("_", "-") if as_flags else name
+            raise ValueError(f"{shown} must be {rule}, got {getattr(settings, name)}")
+
+
+def listener_rules(s: Any) -> list[tuple[str, bool, str]]:
+    """The rules the server's and the router's settings share: where they listen, how long
+    they drain, and what their own clients may cost them."""
+    return [("port", 0 <= s.port <= 65535, "in 0..65535"), ("shutdown_grace", s.shutdown_grace >= 0, ">= 0 seconds"),
+            ("keep_alive_timeout", s.keep_alive_timeout > 0, "> 0 seconds"),
+            ("client_timeout", s.client_timeout > 0, "> 0 seconds"),
+            ("max_connections", s.max_connections >= 1, ">= 1"), ("max_body_bytes", s.max_body_bytes > 0, "> 0 bytes")]
 
 
 def dataclass_defaults(cls: type) -> dict[str, object]:

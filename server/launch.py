@@ -1,11 +1,6 @@
-"""Run ``python -m server`` as a child process: for notebooks, scripts and tests.
-
-The server picks a free port (``--port 0``) and prints its address in a banner once it
-listens; :func:`start_server` waits for that line and for ``GET /health`` to answer 200, so
-the caller gets a URL it can use at once. A started server must also be stopped: the
-process is registered with ``atexit``, and :meth:`ServerProcess.stop` sends SIGTERM, which
-lets in-flight requests finish before the server exits 0; :func:`stop_all` stops several side
-by side, so that N servers take one grace period to stop, not N.
+"""Run ``python -m server`` as a child process, for notebooks, scripts and tests: on a free
+port, returned once it answers ``GET /health``, and stopped with SIGTERM (at exit too), which
+lets in-flight requests finish before the server exits 0.
 """
 
 from __future__ import annotations

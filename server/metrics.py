@@ -1,27 +1,15 @@
 """``GET /metrics``: the server's vital signs in Prometheus' text format.
 
-The names follow vLLM's (``vllm:time_to_first_token_seconds`` is ours
-``minillm:time_to_first_token_seconds``), so an operator's dashboards and alerts carry over:
-
-- latency histograms, from the engine's timestamps (see :mod:`server.engine_loop`): queue
-  time, time to first token, inter-token latency, end-to-end latency;
-- gauges read from the engine's latest stats at scrape time: running and waiting requests,
-  KV-cache usage (a fraction, 0..1, as vLLM's ``kv_cache_usage_perc`` is), prefix-cache hit rate;
-- counters: preemptions, prompt and generated tokens, finished requests by finish reason
-  (``stop``, ``length``, ``abort``, ``error``), and HTTP responses by path and status, which
-  is where refusals (429, 4xx) show up;
-- the memory split, fixed at start-up (:mod:`minillm.engine.memory`): ``memory_bytes`` by
-  ``part`` (``budget``, ``runtime``, ``weights``, ``activations_peak``, ``allocator``,
-  ``graphs``, ``kv_cache``; only ``kv_cache`` when ``--memory-budget`` was not given), the KV blocks
-  (``kv_cache_blocks``) and how many sequences of full context they hold
-  (``kv_cache_full_context_sequences``).
-
-Each server owns its registry, so two servers in one process (the tests) never mix counts.
+The names follow vLLM's (its ``vllm:time_to_first_token_seconds`` is our
+``minillm:time_to_first_token_seconds``), so an operator's dashboards and alerts carry over.
+The latency histograms come from the engine's own timestamps (:mod:`server.engine_loop`), the
+gauges from its latest stats at scrape time; refusals (429, 4xx) show in ``http_requests`` by
+path and status. Each server owns its registry, so two servers in one process never mix counts.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.memory import full_context_sequences
@@ -36,8 +24,6 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
-
-CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class Metrics:

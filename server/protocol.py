@@ -36,6 +36,7 @@ _KINDS: dict[str, Callable[[Any], bool]] = {
     "a boolean": lambda v: isinstance(v, bool),
     "a string": lambda v: isinstance(v, str),
     "an object": lambda v: isinstance(v, dict),
+    "a list of token ids": lambda v: isinstance(v, list),  # its items are checked by SamplingParams
 }
 
 # Fields both endpoints read, with the JSON type each must have (null always means "default").
@@ -47,7 +48,7 @@ _COMMON = {
     "top_k": "an integer", "seed": "an integer", "n": "an integer", "ignore_eos": "a boolean",
     "stream": "a boolean", "stream_options": "an object", "user": "a string",
     "presence_penalty": "a number", "frequency_penalty": "a number", "repetition_penalty": "a number",
-    "logit_bias": "an object", "min_tokens": "an integer", "stop_token_ids": None, "stop": None,
+    "logit_bias": "an object", "min_tokens": "an integer", "stop_token_ids": "a list of token ids", "stop": None,
     "store": "a boolean", "metadata": "an object", "service_tier": "a string", "response_format": "an object",
 }
 _COMPLETION_FIELDS = {**_COMMON, "prompt": None, "logprobs": "an integer", "echo": "a boolean"}
@@ -118,7 +119,7 @@ class GenerationRequest:
 def parse_completion(body: Any, tokenizer: Tokenizer, card: ModelCard) -> GenerationRequest:
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of token ids
     or a list of such lists. ``max_tokens`` defaults to OpenAI's 16, cut to what fits."""
-    _check_fields(body, _COMPLETION_FIELDS, card)
+    check_fields(body, _COMPLETION_FIELDS, card)
     listed = _prompt_list(body.get("prompt"))
     n = _count_choices(len(listed), _field(body, "n", 1))  # before any tokenizing: a count costs nothing
     prompts = [_tokens(p, tokenizer, card.vocab_size) for p in listed]
@@ -129,7 +130,7 @@ def parse_completion(body: Any, tokenizer: Tokenizer, card: ModelCard) -> Genera
 def parse_chat(body: Any, tokenizer: Tokenizer, card: ModelCard) -> GenerationRequest:
     """``POST /v1/chat/completions``: ``messages`` through :func:`chat_prompt`. Without a
     limit the answer may run to the end of the context, as OpenAI's does."""
-    _check_fields(body, _CHAT_FIELDS, card)
+    check_fields(body, _CHAT_FIELDS, card)
     n = _count_choices(1, _field(body, "n", 1))
     prompt = tokenizer.encode(chat_prompt(body.get("messages")))
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -137,7 +138,9 @@ def parse_chat(body: Any, tokenizer: Tokenizer, card: ModelCard) -> GenerationRe
                     tokenizer, param)
 
 
-def _check_fields(body: Any, fields: dict[str, str | None], card: ModelCard) -> None:
+def check_fields(body: Any, fields: dict[str, str | None], card: ModelCard) -> None:
+    """``body`` must be a JSON object of known ``fields`` (name: JSON type, or None for a field
+    checked elsewhere), naming the served model if any."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     for name, value in body.items():
@@ -151,8 +154,12 @@ def _check_fields(body: Any, fields: dict[str, str | None], card: ModelCard) -> 
             _field(body, name, None, fields)
     model = body.get("model")
     if model is not None and model != card.name:
-        raise OpenAIError(404, f"the model {model!r} does not exist; this server serves {card.name!r}",
-                          "invalid_request_error", "model", "model_not_found")
+        raise model_not_found(model, card)
+
+
+def model_not_found(model: str, card: ModelCard) -> OpenAIError:
+    return OpenAIError(404, f"the model {model!r} does not exist; this server serves {card.name!r}",
+                       param="model", code="model_not_found")
 
 
 def _field(body: dict, name: str, default: Any, fields: dict[str, str | None] | None = None) -> Any:
@@ -271,7 +278,7 @@ def _request(body: dict, chat: bool, prompts: list[list[int]], n: int, max_token
             top_p=_field(body, "top_p", 1.0),
             top_k=None if top_k == -1 else top_k,  # vLLM's -1 also means "all tokens"
             stop=_stop(body.get("stop")),
-            stop_token_ids=_token_list(body, "stop_token_ids"),
+            stop_token_ids=_field(body, "stop_token_ids", []),
             ignore_eos=_field(body, "ignore_eos", False),
             seed=seed,
             presence_penalty=_field(body, "presence_penalty", 0.0),
@@ -302,14 +309,6 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
         raise invalid(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {_short(k)}", "top_logprobs")
     return (k or 0) if wanted else None
-
-
-def _token_list(body: dict, name: str) -> list:
-    """A JSON list (its items are checked by ``SamplingParams``), or ``[]`` when absent."""
-    value = body.get(name)
-    if value is not None and not isinstance(value, list):
-        raise invalid(f"{name} must be a list of token ids, got {_short(value)}", name)
-    return value or []
 
 
 def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:

@@ -2,19 +2,15 @@
 bounded run of the load generator inside the server, against the server's own address.
 
 A visitor can push the server past its knee and watch latency climb, but only within bounds:
-rate, duration and count are capped, and there is one run at a time. A POST while a run is
-going is a 409 (it used to replace the run, and two POSTs at once could start two runs, one
-of which nothing could stop); DELETE stops the run, and shutdown ends it at once and takes
-no other. The panel is off on a server with ``--api-key``: a visitor without the key must
-not be able to load it.
+rate, duration and count are capped, one run at a time (a POST while one runs is a 409), and
+the panel is off on a server with ``--api-key``.
 
-Both routes change what the server does, so they answer the server's own page, not another
-site's. A page elsewhere can make its visitor's browser POST here: an HTML form sending
-``text/plain`` needs no CORS preflight. So a POST must be ``application/json`` (which a
-browser only sends cross-site after a preflight this server never grants), and a request
-whose ``Origin`` is another origin, or whose ``Sec-Fetch-Site`` says another site sent it,
-is a 403. A request with neither header (curl, a script) is no browser acting for a visitor
-and passes.
+Both routes change what the server does, so they answer the server's own page only. An HTML
+form on another site can make its visitor's browser POST ``text/plain`` here without a CORS
+preflight; so a POST must be ``application/json`` (which a browser sends cross-site only after
+a preflight this server never grants), and a request whose ``Origin`` or ``Sec-Fetch-Site``
+names another site is a 403. A request with neither (curl, a script) is no browser acting for
+a visitor and passes.
 """
 
 from __future__ import annotations
@@ -59,10 +55,10 @@ class Traffic:
         """The visitor's settings, checked against the panel's bounds (400 otherwise)."""
         if not isinstance(body, dict):
             raise invalid("the body must be a JSON object")
-        rate = _number(body, "request_rate", MAX_TRAFFIC_RATE)
-        duration = _number(body, "duration", MAX_TRAFFIC_SECONDS)
-        input_len = _integer(body, "input_len", self.max_model_len - 1)
-        output_len = _integer(body, "output_len", self.max_model_len - input_len)
+        rate = _bounded(body, "request_rate", MAX_TRAFFIC_RATE)
+        duration = _bounded(body, "duration", MAX_TRAFFIC_SECONDS)
+        input_len = _bounded(body, "input_len", self.max_model_len - 1, integer=True)
+        output_len = _bounded(body, "output_len", self.max_model_len - input_len, integer=True)
         return LoadSpec(url=url, num_prompts=MAX_TRAFFIC_REQUESTS, duration=duration, request_rate=rate,
                         input_len=input_len, output_len=output_len, warmup=0,
                         request_timeout=TRAFFIC_REQUEST_TIMEOUT_S)
@@ -72,10 +68,10 @@ class Traffic:
         coroutine on purpose: nothing can run between the check and the new task, so of two
         POSTs at once exactly one starts."""
         if self.closed:
-            raise OpenAIError(503, "the server is shutting down", "server_error", None, "shutting_down")
+            raise OpenAIError(503, "the server is shutting down", code="shutting_down")
         if self.running:
             raise OpenAIError(409, "a traffic run is in progress: stop it first (DELETE /dashboard/traffic)",
-                              "invalid_request_error", None, "traffic_running")
+                              code="traffic_running")
         self.load, self.summary, self.error, self.started = LoadRun(spec), None, None, time.monotonic()
         self.task = asyncio.create_task(self.load.run())
         self.task.add_done_callback(self._finished)
@@ -124,18 +120,13 @@ class Traffic:
         return status
 
 
-def _number(body: dict, name: str, high: float) -> float:
+def _bounded(body: dict, name: str, high: float, integer: bool = False) -> float:
+    """``body[name]``: a number in (0, high], or an integer from 1; a 400 naming it otherwise."""
     value = body.get(name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= high:
-        raise invalid(f"{name} must be a number in (0, {high:g}], got {value!r}", name)
-    return float(value)
-
-
-def _integer(body: dict, name: str, high: int) -> int:
-    value = body.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
-        raise invalid(f"{name} must be an integer in [1, {high}], got {value!r}", name)
-    return value
+    kinds, what = (int, f"an integer in [1, {high}]") if integer else ((int, float), f"a number in (0, {high:g}]")
+    if isinstance(value, bool) or not isinstance(value, kinds) or not 0 < value <= high:
+        raise invalid(f"{name} must be {what}, got {value!r}", name)
+    return value if integer else float(value)
 
 
 TRAFFIC = web.AppKey("traffic", Traffic)
@@ -161,7 +152,7 @@ def refuse_other_sites(request: web.Request) -> None:
     own = f"{request.scheme}://{request.host}".lower()
     if (origin is not None and origin.lower() != own) or (site is not None and site not in SAME_ORIGIN_SITES):
         raise OpenAIError(403, "the traffic panel answers its own page only, not a page on another site",
-                          "invalid_request_error", None, "cross_origin")
+                          code="cross_origin")
 
 
 def own_url(request: web.Request) -> str:
@@ -176,10 +167,9 @@ async def start_traffic(request: web.Request) -> web.Response:
     traffic = request.app[TRAFFIC]
     if traffic.locked:
         raise OpenAIError(403, "the traffic panel is off on a server that requires an API key",
-                          "invalid_request_error", None, "traffic_disabled")
+                          code="traffic_disabled")
     if request.content_type != "application/json":
-        raise OpenAIError(415, f"send the settings as application/json, not {request.content_type}",
-                          "invalid_request_error")
+        raise OpenAIError(415, f"send the settings as application/json, not {request.content_type}")
     body = await read_json(request, traffic.body_timeout)
     traffic.start(traffic.spec_from(own_url(request), body))
     return web.json_response(traffic.status(), status=202)

@@ -1,36 +1,72 @@
-"""What every HTTP program here speaks on the wire: OpenAI's error shape and server-sent events.
-
-The server, the dashboard and the router share these, and the router is a plain HTTP proxy,
-so this module imports nothing but the standard library (aiohttp's objects are only passed in).
-"""
+"""What every HTTP program here speaks on the wire: OpenAI's error shape and server-sent events,
+shared by the server, the dashboard and the router (which must stay free of torch)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+import logging
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
 
 # The largest request body the server reads (413 beyond): ServerConfig's default, and the
 # router's, so that the router refuses at once what every replica behind it would refuse.
 MAX_BODY_BYTES = 1 << 20
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+CLIENT_GONE = 499  # nginx's status for "the client closed the connection"
 
 
 class OpenAIError(Exception):
-    """An error answered in OpenAI's shape: ``{"error": {message, type, param, code}}``."""
+    """An error answered in OpenAI's shape: ``{"error": {message, type, param, code}}``. The
+    type defaults to ``server_error`` for a 5xx, else ``invalid_request_error``."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+    def __init__(self, status: int, message: str, type: str | None = None,
                  param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
         self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
+
 
 def invalid(message: str, param: str | None = None) -> OpenAIError:
     """A 400: the request itself is wrong, and sending it again will not help."""
-    return OpenAIError(400, message, "invalid_request_error", param)
+    return OpenAIError(400, message, param=param)
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def openai_errors(program: str, log: logging.Logger,
+                  count: Callable[[web.Request, int], None] = lambda request, status: None) -> Any:
+    """A middleware that answers every failure in OpenAI's shape, never a traceback: an
+    :class:`OpenAIError`, aiohttp's own refusals (404/405 routing, 413 body too large), and
+    anything unexpected (a 500, ``internal <program> error``, logged). ``count`` sees the
+    status of every response."""
+
+    @web.middleware
+    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            response = await handler(request)
+        except OpenAIError as err:
+            response = err.response()
+        except web.HTTPException as err:
+            if err.status < 400:
+                raise
+            response = OpenAIError(err.status, err.text or err.reason).response()
+        except Exception:
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            response = OpenAIError(500, f"internal {program} error").response()
+        count(request, response.status)
+        return response
+
+    return errors
 
 
 def sse(data: dict | str) -> bytes:
@@ -40,14 +76,10 @@ def sse(data: dict | str) -> bytes:
 
 
 async def write_within(request: Any, response: Any, data: bytes | None, timeout: float) -> None:
-    """Write one piece of a streamed ``response`` (None: its end, ``write_eof``, which waits for
-    the socket too), or give up on a client that stopped reading.
-
-    aiohttp's ``write`` waits while the socket's buffers are full, so a client that opens a
-    stream and never reads would hold its handler (and, on the server, its request's KV blocks)
-    for ever. Past ``timeout`` the connection is aborted (closing would wait to flush the same
-    unread bytes) and ``ConnectionResetError`` raised: to the caller, the client has left.
-    """
+    """Write one piece of a streamed ``response`` (None: ``write_eof``), or give up on a client
+    that stopped reading: aiohttp's ``write`` waits while the socket's buffers are full, which
+    would hold the handler (and a request's KV blocks) for ever. Past ``timeout`` the connection
+    is aborted (closing would wait to flush the same bytes) and ``ConnectionResetError`` raised."""
     try:
         async with asyncio.timeout(timeout):
             await (response.write_eof() if data is None else response.write(data))
@@ -65,8 +97,8 @@ async def read_body(request: Any, timeout: float) -> bytes:
         async with asyncio.timeout(timeout):
             return await request.read()
     except TimeoutError:
-        raise OpenAIError(408, f"the request body did not arrive within {timeout:g} s", "invalid_request_error",
-                          None, "request_timeout", {"Connection": "close"}) from None
+        raise OpenAIError(408, f"the request body did not arrive within {timeout:g} s", code="request_timeout",
+                          headers={"Connection": "close"}) from None
 
 
 async def read_json(request: Any, timeout: float) -> object:
@@ -78,7 +110,7 @@ async def read_json(request: Any, timeout: float) -> object:
     try:
         text = body.decode(charset)
     except LookupError:
-        raise OpenAIError(415, f"unsupported charset {charset!r}: send UTF-8", "invalid_request_error") from None
+        raise OpenAIError(415, f"unsupported charset {charset!r}: send UTF-8") from None
     except UnicodeDecodeError as err:
         raise invalid(f"the request body is not valid {charset}: {err}") from None
     try:

@@ -8,9 +8,7 @@ how much load the server can take: latency against achieved throughput (flat, th
 then a wall) and goodput against offered load (it rises with the rate until the SLOs start to
 fail, then falls). Results go to ``benchmarks/results/`` as JSON (and a PNG for a sweep).
 
-Everything is measured on the client's clock; see :mod:`server.loadgen.stats` for the
-definitions and how they differ from the server's ``/metrics``. The pieces are importable:
-:class:`LoadRun` is what the dashboard's traffic panel runs inside the server.
+Everything is measured on the client's clock (:mod:`server.loadgen.stats`).
 """
 
 from __future__ import annotations
@@ -25,11 +23,8 @@ from typing import Sequence
 
 from minillm.cli import ArgumentParser, UsageError, run
 from minillm.settings import project_root
-from server.loadgen.client import DATASETS, DEFAULT_URL, LoadRun, LoadSpec, arrival_times, send_request
-from server.loadgen.stats import Latency, RequestResult, Summary, parse_slo, percentile, summarize
-
-__all__ = ["LoadRun", "LoadSpec", "RequestResult", "Summary", "Latency", "arrival_times", "send_request",
-           "summarize", "percentile", "parse_slo", "run_rates", "format_report", "save", "main"]
+from server.loadgen.client import DATASETS, DEFAULT_URL, LoadRun, LoadSpec
+from server.loadgen.stats import Summary, parse_slo
 
 DEFAULT_NUM_PROMPTS = 100
 CLOCK = "client: time.perf_counter() around each streamed request"
@@ -68,13 +63,11 @@ def build_parser() -> ArgumentParser:
 
 def spec_from_args(args) -> LoadSpec:
     """The flags as a checked ``LoadSpec``; a bad combination is a one-line ``UsageError``."""
-    num_prompts = args.num_prompts if args.num_prompts is not None or args.duration else DEFAULT_NUM_PROMPTS
+    settings = {k: v for k, v in vars(args).items() if k not in ("sweep", "out")}
+    if args.num_prompts is None and not args.duration:
+        settings["num_prompts"] = DEFAULT_NUM_PROMPTS
     try:
-        return LoadSpec(url=args.url, num_prompts=num_prompts, duration=args.duration, request_rate=args.request_rate,
-                        burstiness=args.burstiness, max_concurrency=args.max_concurrency, input_len=args.input_len,
-                        output_len=args.output_len, range_ratio=args.range_ratio, dataset=args.dataset,
-                        warmup=args.warmup, seed=args.seed, request_timeout=args.request_timeout,
-                        slo=parse_slo(args.slo), api_key=args.api_key)
+        return LoadSpec(**{**settings, "slo": parse_slo(args.slo)})
     except ValueError as err:
         raise UsageError(str(err)) from None
 
@@ -99,7 +92,7 @@ async def run_rates(spec: LoadSpec, rates: list[float]) -> tuple[str, list[dict]
         summary = await load.run()
         model = load.info.model
         print(format_report(summary, rate), flush=True)
-        runs.append({"request_rate": json_rate(rate), **summary.to_dict()})
+        runs.append({"request_rate": "inf" if math.isinf(rate) else rate, **asdict(summary)})  # JSON has no inf
     return model, runs
 
 
@@ -124,11 +117,6 @@ def format_report(s: Summary, rate: float) -> str:
         cells = ("-" if v is None else f"{v:.1f}" for v in (lat.mean, lat.p50, lat.p95, lat.p99))
         lines.append(f"{name:<12}" + "".join(f"{c:>10}" for c in cells))
     return "\n".join(lines)
-
-
-def json_rate(rate: float) -> float | str:
-    """A request rate for JSON, which has no infinity: ``inf`` is written as the string."""
-    return "inf" if math.isinf(rate) else rate
 
 
 def report_of(spec: LoadSpec, model: str, runs: list[dict]) -> dict:
@@ -163,7 +151,7 @@ def plot_sweep(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, key, name in ((axes[0], "ttft_ms", "TTFT"), (axes[1], "tpot_ms", "TPOT")):
         for q, style in (("p50", "o-"), ("p99", "s--")):
-            ax.plot(x, [_nan(r[key][q]) for r in runs], style, label=f"{name} {q}")
+            ax.plot(x, [math.nan if r[key][q] is None else r[key][q] for r in runs], style, label=f"{name} {q}")
         ax.set(xlabel="achieved output tokens/s", ylabel=f"{name} (ms)", title=f"{name} vs throughput")
         ax.legend()
     labels = [r["request_rate"] if isinstance(r["request_rate"], str) else f"{r['request_rate']:g}" for r in runs]
@@ -180,10 +168,6 @@ def plot_sweep(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def _nan(value: float | None) -> float:
-    return math.nan if value is None else value
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -26,6 +26,7 @@ from typing import AsyncContextManager, Callable, Iterator, Sequence
 import aiohttp
 
 from minillm.data.tokenizer import EOT_ID
+from server.flags import check
 from server.loadgen.stats import RequestResult, Summary, summarize
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -59,16 +60,13 @@ class LoadSpec:
             raise ValueError("a run needs a bound: num_prompts, duration, or both")
         if self.num_prompts is None and math.isinf(self.request_rate):
             raise ValueError("an infinite request rate sends everything at once, so it needs num_prompts")
-        checks = [("num_prompts", self.num_prompts is None or self.num_prompts >= 1, ">= 1"),
-                  ("duration", self.duration is None or self.duration > 0, "> 0"),
-                  ("request_rate", self.request_rate > 0, "> 0"), ("burstiness", self.burstiness > 0, "> 0"),
-                  ("max_concurrency", self.max_concurrency is None or self.max_concurrency >= 1, ">= 1"),
-                  ("input_len", self.input_len >= 1, ">= 1"), ("output_len", self.output_len >= 1, ">= 1"),
-                  ("range_ratio", 0 <= self.range_ratio < 1, "in [0, 1)"), ("warmup", self.warmup >= 0, ">= 0"),
-                  ("request_timeout", self.request_timeout > 0, "> 0")]
-        for name, ok, rule in checks:
-            if not ok:
-                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)}")
+        check(self, [("num_prompts", self.num_prompts is None or self.num_prompts >= 1, ">= 1"),
+                     ("duration", self.duration is None or self.duration > 0, "> 0"),
+                     ("request_rate", self.request_rate > 0, "> 0"), ("burstiness", self.burstiness > 0, "> 0"),
+                     ("max_concurrency", self.max_concurrency is None or self.max_concurrency >= 1, ">= 1"),
+                     ("input_len", self.input_len >= 1, ">= 1"), ("output_len", self.output_len >= 1, ">= 1"),
+                     ("range_ratio", 0 <= self.range_ratio < 1, "in [0, 1)"), ("warmup", self.warmup >= 0, ">= 0"),
+                     ("request_timeout", self.request_timeout > 0, "> 0")])
         if self.dataset not in DATASETS:
             raise ValueError(f"dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}")
 
@@ -162,29 +160,23 @@ async def send_request(session: aiohttp.ClientSession, url: str, model: str, pro
                     result.output_tokens = chunk["usage"]["completion_tokens"]
     except asyncio.TimeoutError:
         result.error = "timeout"
-        return result
     except aiohttp.ClientError as err:
         result.error = type(err).__name__
-        return result
     except ValueError:  # a data line that is not JSON: not an OpenAI-compatible stream
         result.error = "malformed stream"
-        return result
-    if result.ttft is None:
+    if result.ttft is None and result.error is None:
         result.error = "empty stream"
-        return result
-    result.e2e = last - start
-    result.output_tokens = result.output_tokens or chunks
+    if result.ok:
+        result.e2e = last - start
+        result.output_tokens = result.output_tokens or chunks
     return result
 
 
 class LoadRun:
-    """One bounded run of open-loop traffic against a server.
-
-    ``await run()`` sends the warm-up requests (not counted), then the measured traffic, and
-    returns the :class:`Summary`. Its counters (``sent``, ``in_flight``, ``results``) are live,
-    so a dashboard can show a run in progress; ``stop()`` ends it early, cancelling requests
-    still in flight (counted in ``sent``, left out of the results and the summary).
-    """
+    """One bounded run of open-loop traffic: ``await run()`` sends the uncounted warm-up, then
+    the measured traffic, and returns the :class:`Summary`. Its counters (``sent``,
+    ``in_flight``, ``results``) are live, for the dashboard; ``stop()`` ends it early, leaving
+    the requests it cancels out of the results."""
 
     def __init__(self, spec: LoadSpec) -> None:
         self.spec = spec
@@ -207,7 +199,10 @@ class LoadRun:
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
             self.info = await server_info(session, self.url)
-            self._check_fits(self.info)
+            longest = spec.length_range(spec.input_len)[1] + spec.length_range(spec.output_len)[1]
+            if self.info.max_model_len and longest > self.info.max_model_len:
+                raise ValueError(f"the longest prompt + output ({longest} tokens) exceeds the served model's "
+                                 f"context of {self.info.max_model_len}; lower --input-len or --output-len")
             work = prompts(spec, random.Random(spec.seed))  # the same prompts at every rate
             for _ in range(spec.warmup):
                 await send_request(session, self.url, self.info.model, *next(work), spec.request_timeout)
@@ -216,12 +211,6 @@ class LoadRun:
             await asyncio.gather(*self._tasks, return_exceptions=True)
             duration = time.perf_counter() - start
         return summarize(self.results, duration, self.peak_concurrency, spec.slo)
-
-    def _check_fits(self, info: ServerInfo) -> None:
-        longest = self.spec.length_range(self.spec.input_len)[1] + self.spec.length_range(self.spec.output_len)[1]
-        if info.max_model_len and longest > info.max_model_len:
-            raise ValueError(f"the longest prompt + output ({longest} tokens) exceeds the served model's "
-                             f"context of {info.max_model_len}; lower --input-len or --output-len")
 
     async def _send_all(self, session: aiohttp.ClientSession, work: Iterator, rng: random.Random,
                         start: float) -> None:

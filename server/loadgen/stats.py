@@ -15,16 +15,13 @@ All of these are measured on the client's clock (``time.perf_counter()``), so th
 the network, HTTP and JSON on both sides, and any wait in the server's queue: what a user
 feels. The server's ``/metrics`` histograms time the same events from the request's arrival
 in the handler to the engine producing the token, and so read a little lower.
-
-Percentiles use linear interpolation between closest ranks, numpy's default
-(:func:`percentile`), so ``p50`` of an even count is the mean of the middle two.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 PERCENTILES = (50, 95, 99)
 SLO_NAMES = {"ttft": "ttft", "tpot": "tpot", "e2el": "e2el", "e2e": "e2el"}
@@ -116,9 +113,6 @@ class Summary:
     e2el_ms: Latency
     slo_ms: dict[str, float]
     goodput: float | None  # requests per second meeting every SLO; None without SLOs
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def summarize(results: list[RequestResult], duration_s: float, peak_concurrency: int,

@@ -1,15 +1,10 @@
 """``python -m server.router``: one OpenAI-compatible address in front of several replicas.
 
-A request goes: read the body -> the policy (:mod:`server.router.policy`) picks a healthy replica
-(:mod:`server.router.replicas`) -> forward it -> relay the answer. Streams are relayed event by
-event as they arrive, never buffered, so the client's time to first token is the replica's
-plus one hop.
-
-How replicas fail, and what the client then sees, is :mod:`server.router.proxy`'s business.
-
-The router keeps its own ``/health`` (200 while any replica is healthy) and ``/metrics``
-(``minillm_router:`` counters, and each replica's health and scraped load). Every answer
-names the replica that gave it in an ``X-Replica`` header.
+A request's body goes to the replica the policy picks among the healthy ones, and the answer
+comes back; streams are relayed event by event, never buffered, so the client's time to first
+token is the replica's plus one hop (failures: :mod:`server.router.proxy`). The router keeps
+its own ``/health`` (200 while any replica is healthy) and ``/metrics``, and every answer names
+its replica in an ``X-Replica`` header.
 """
 
 from __future__ import annotations
@@ -19,7 +14,7 @@ import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import aiohttp
 from aiohttp import web
@@ -28,27 +23,26 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from minillm.cli import UsageError, run
 from minillm.settings import preset_dir, resolve_checkpoint
-from server.connections import connection_room, limit_connections
+from server.connections import running, stop_on_signals
 from server.launch import ServerProcess, start_server, stop_all
 from server.router.replicas import ReplicaSet
 from server.router.config import RouterConfig, parse_router_args
-from server.router.proxy import ROUTER, RouterState, openai_errors, proxy
+from server.router.proxy import ROUTER, RouterState, proxy
 from server.router.policy import make_policy
-from server.signals import stop_on_signals
+from server.wire import openai_errors
 
 log = logging.getLogger("server.router")
+
 
 def create_router(urls: Sequence[str], config: RouterConfig) -> web.Application:
     """The router app over the replicas at ``urls``."""
     state = RouterState(ReplicaSet(urls, config.eject_after, config.readmit_after), make_policy(config.policy), config)
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[openai_errors])
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[openai_errors("router", log)])
     app[ROUTER] = state
-    app.router.add_post("/v1/completions", proxy)
-    app.router.add_post("/v1/chat/completions", proxy)
-    app.router.add_get("/v1/models", proxy)
-    app.router.add_get("/v1/models/{model:.+}", proxy)
-    app.router.add_post("/tokenize", proxy)
-    app.router.add_post("/detokenize", proxy)
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        app.router.add_post(path, proxy)
+    for path in ("/v1/models", "/v1/models/{model:.+}"):
+        app.router.add_get(path, proxy)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.on_startup.append(_start)
@@ -156,32 +150,13 @@ def spawn_replicas(config: RouterConfig) -> list[ServerProcess]:
     return started
 
 
-@contextlib.asynccontextmanager
-async def running(app: web.Application, host: str = "127.0.0.1", port: int = 0, shutdown_grace: float = 30.0,
-                  keep_alive_timeout: float = 15.0, max_connections: int | None = None) -> AsyncIterator[str]:
-    """Serve ``app`` on the running event loop (a notebook's, a test's) and yield its URL;
-    on exit, in-flight requests get ``shutdown_grace`` seconds, then the app is cleaned up.
-    A connection must send a request's head within ``keep_alive_timeout``; past
-    ``max_connections`` open ones, a new one gets a 503 (:mod:`server.connections`)."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_grace,
-                           keepalive_timeout=keep_alive_timeout)
-    await runner.setup()
-    if max_connections is not None:
-        limit_connections(runner.server, connection_room(max_connections))
-    try:
-        await web.TCPSite(runner, host, port).start()
-        yield f"http://{host}:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
-
-
 async def _until_signalled(app: web.Application, config: RouterConfig) -> None:
     """Serve until SIGINT or SIGTERM, printing the address once listening; a second Ctrl+C
-    stops at once (:mod:`server.signals`)."""
+    stops at once (:func:`server.connections.stop_on_signals`)."""
     stop = stop_on_signals()
     urls = ", ".join(r.url for r in app[ROUTER].replicas.replicas)
     async with running(app, config.host, config.port, config.shutdown_grace, config.keep_alive_timeout,
-                       config.max_connections) as url:
+                       config.max_connections, config.client_timeout) as url:
         print(f"minillm router ({config.policy}) serving at {url} over {urls}   (Ctrl+C to stop)", flush=True)
         await stop.wait()
 

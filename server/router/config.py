@@ -1,9 +1,6 @@
-"""The router's settings: one dataclass, filled from ``python -m server.router``'s flags.
-
-As with the server (:mod:`server.config`), each flag can also come from an environment
-variable, here ``MINILLM_ROUTER_<FLAG>`` (``--policy`` is ``MINILLM_ROUTER_POLICY``;
-``MINILLM_ROUTER_REPLICA`` takes a comma-separated list of URLs); a flag given on the command
-line wins. Anything wrong is one line naming the flag.
+"""The router's settings: one dataclass, filled from ``python -m server.router``'s flags or,
+as with the server, environment variables (``MINILLM_ROUTER_POLICY``; ``MINILLM_ROUTER_REPLICA``
+takes a comma-separated list of URLs). Anything wrong is one line naming the flag.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from typing import Mapping, Sequence
 from minillm.cli import ArgumentParser, UsageError
 from minillm.sizes import parse_memory
 from server.connections import CLIENT_FLAGS, CLIENT_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, MAX_CONNECTIONS
-from server.flags import LOG_LEVELS, add_env_flags, byte_size, dataclass_defaults, env_name
+from server.flags import LOG_LEVELS, add_env_flags, byte_size, check, dataclass_defaults, env_name, listener_rules
 from server.router.policy import POLICIES
 from server.wire import MAX_BODY_BYTES
 
@@ -26,27 +23,14 @@ MAX_SPAWN = 16
 
 @dataclass
 class RouterConfig:
-    """Which replicas, how to pick one, and how hard to try.
+    """Which replicas, how to pick one, and how hard to try (each field is a flag; ``FLAGS``
+    says what it does). Towards its own clients the router keeps the server's rules.
 
-    ``max_attempts`` bounds how many replicas one request may try while they do not take it
-    (refused connections, 429s, 503s; the first try included). ``health_interval`` is the
-    seconds between active health checks, and ``health_timeout`` how long one check may take:
-    less than the interval, so that a replica that stops answering is found out within one
-    interval instead of piling up checks.
-    ``first_byte_timeout`` is how long a replica has to send its status line and, for a stream,
-    its first event; past it the client gets a 504 (see :mod:`server.router`).
-
-    ``max_body_bytes`` is the largest request body the router reads (413 beyond), by default
-    the server's own default. Spawned replicas are given the same ``--max-body-bytes``; if
-    ``replica_args`` already names one, it must be the same limit: a body the router accepts and
-    every replica refuses would only be a slower 413, and a body the router refuses would never
-    reach a replica that accepts it. Refusing the mismatch, rather than quietly taking one of the
-    two, keeps the user from believing the one that lost. (Replicas given by ``--replica`` URL
-    run with whatever limit they were started with; the router cannot see it.)
-
-    Towards its own clients the router keeps the server's rules (:mod:`server.config`): a
-    request's head within ``keep_alive_timeout``, its body and each write of a stream within
-    ``client_timeout``, at most ``max_connections`` open at once.
+    Spawned replicas get the router's ``max_body_bytes``, and a ``--max-body-bytes`` in
+    ``replica_args`` must be the same: a body the router accepts and every replica refuses would
+    only be a slower 413, and one the router refuses would never reach a replica that accepts
+    it. Refusing the mismatch, rather than quietly taking one of the two, keeps the user from
+    believing the one that lost. (A ``--replica`` URL's limit is its own; the router cannot see it.)
     """
 
     replicas: list[str] = field(default_factory=list)
@@ -77,22 +61,13 @@ class RouterConfig:
         for url in self.replicas:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"--replica wants a URL like http://127.0.0.1:8001, got {url!r}")
-        checks = [("spawn", 0 <= self.spawn <= MAX_SPAWN, f"in 0..{MAX_SPAWN}"),
-                  ("port", 0 <= self.port <= 65535, "in 0..65535"),
-                  ("health_interval", self.health_interval > 0, "> 0 seconds"),
-                  ("health_timeout", self.health_timeout > 0, "> 0 seconds"),
-                  ("eject_after", self.eject_after >= 1, ">= 1"), ("readmit_after", self.readmit_after >= 1, ">= 1"),
-                  ("max_attempts", self.max_attempts >= 1, ">= 1"),
-                  ("connect_timeout", self.connect_timeout > 0, "> 0 seconds"),
-                  ("first_byte_timeout", self.first_byte_timeout > 0, "> 0 seconds"),
-                  ("max_body_bytes", self.max_body_bytes > 0, "> 0 bytes"),
-                  ("keep_alive_timeout", self.keep_alive_timeout > 0, "> 0 seconds"),
-                  ("client_timeout", self.client_timeout > 0, "> 0 seconds"),
-                  ("max_connections", self.max_connections >= 1, ">= 1"),
-                  ("shutdown_grace", self.shutdown_grace >= 0, ">= 0 seconds")]
-        for name, ok, rule in checks:
-            if not ok:
-                raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(self, name)}")
+        check(self, [*listener_rules(self), ("spawn", 0 <= self.spawn <= MAX_SPAWN, f"in 0..{MAX_SPAWN}"),
+                     ("health_interval", self.health_interval > 0, "> 0 seconds"),
+                     ("health_timeout", self.health_timeout > 0, "> 0 seconds"),
+                     ("eject_after", self.eject_after >= 1, ">= 1"), ("readmit_after", self.readmit_after >= 1, ">= 1"),
+                     ("max_attempts", self.max_attempts >= 1, ">= 1"),
+                     ("connect_timeout", self.connect_timeout > 0, "> 0 seconds"),
+                     ("first_byte_timeout", self.first_byte_timeout > 0, "> 0 seconds")], as_flags=True)
         if self.health_timeout >= self.health_interval:
             raise ValueError(f"--health-timeout ({self.health_timeout} s) must be shorter than --health-interval "
                              f"({self.health_interval} s)")

@@ -1,34 +1,27 @@
 """Routing policies: which replica gets the next request.
 
-A policy is a small pure object: given the healthy replicas that have not yet been tried for
-this request, and the request's affinity key, it returns one of them. It never does I/O; the
-router (:mod:`server.router`) keeps each replica's numbers up to date
-(:class:`server.router.replicas.Replica`), so every policy can be tested with plain objects.
+A policy is a small pure object: given the healthy replicas not yet tried for this request and
+the request's affinity key, it returns one of them. It never does I/O (the router keeps each
+:class:`~server.router.replicas.Replica`'s numbers up to date), so plain objects test it.
 
-- ``round-robin``: each replica in turn. Fair when requests are alike and replicas are alike,
-  blind to everything else.
-- ``least-outstanding``: the replica with the fewest requests this router has sent and not yet
-  seen finish. A slow replica holds its requests longer, so it gets fewer: the classic
-  "least connections" of nginx and Envoy.
-- ``load-aware``: least outstanding, plus what the replica says about itself on ``/metrics``:
-  requests waiting in its queue (which include traffic that never passed through this router)
-  and how full its KV cache is (a full cache means preemption is near).
-- ``prefix``: the same affinity key (the ``user`` field, else the prompt's first characters or
-  tokens) goes to the same replica, so that replica's prefix cache already holds the prompt's
-  blocks. Rendezvous hashing picks the replica, so losing one replica moves only its own keys;
-  and a replica that is far busier than the least busy one is skipped (bounded load), so one
-  hot prefix cannot melt one replica while the others idle. SGLang's cache-aware router makes
+- ``round-robin``: each replica in turn; fair when requests and replicas are alike.
+- ``least-outstanding``: the fewest requests sent and not yet finished. A slow replica holds its
+  requests longer, so it gets fewer: nginx's and Envoy's "least connections".
+- ``load-aware``: least outstanding, plus what the replica's ``/metrics`` say: its own queue
+  (which includes traffic that never passed through this router) and how full its KV cache is.
+- ``prefix``: one affinity key (the ``user`` field, else the prompt's start) goes to one
+  replica, whose prefix cache then already holds the prompt's blocks. Rendezvous hashing picks
+  it, so losing a replica moves only its own keys; a replica far busier than the least busy one
+  is skipped (bounded load), so one hot prefix cannot melt it. SGLang's cache-aware router makes
   the same trade between cache hits and balance.
 
-Ties are broken by rotation, so an idle fleet still spreads its requests instead of sending
-them all to the first replica.
+Ties are broken by rotation, so an idle fleet still spreads its requests.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from abc import ABC, abstractmethod
 from typing import Protocol, Sequence
 
 PREFIX_CHARS = 256  # a text prompt's affinity key: its first characters
@@ -46,22 +39,22 @@ class ReplicaLoad(Protocol):
     kv_usage: float  # fraction of its KV-cache blocks in use, 0..1, from its /metrics
 
 
-class Policy(ABC):
-    """Base class: ``choose(candidates, key)`` returns one of ``candidates`` (never empty)."""
+class Policy:
+    """Base class: ``choose(candidates, key)`` returns one of ``candidates`` (never empty). This
+    one chooses the lowest ``score``, and among equals the next one in rotation."""
 
     name = ""
 
     def __init__(self) -> None:
         self._turn = 0
 
-    @abstractmethod
+    def score(self, replica: ReplicaLoad) -> float:
+        return 0.0
+
     def choose(self, candidates: Sequence[ReplicaLoad], key: bytes | None = None) -> ReplicaLoad:
         """The replica for a request whose affinity key is ``key``."""
-
-    def _lowest(self, candidates: Sequence[ReplicaLoad], score) -> ReplicaLoad:
-        """The candidate with the lowest score; among equals, the next one in rotation."""
-        best = min(score(r) for r in candidates)
-        tied = [r for r in candidates if score(r) == best]
+        best = min(self.score(r) for r in candidates)
+        tied = [r for r in candidates if self.score(r) == best]
         self._turn += 1
         return tied[(self._turn - 1) % len(tied)]
 
@@ -69,15 +62,12 @@ class Policy(ABC):
 class RoundRobin(Policy):
     name = "round-robin"
 
-    def choose(self, candidates: Sequence[ReplicaLoad], key: bytes | None = None) -> ReplicaLoad:
-        return self._lowest(candidates, lambda r: 0)
-
 
 class LeastOutstanding(Policy):
     name = "least-outstanding"
 
-    def choose(self, candidates: Sequence[ReplicaLoad], key: bytes | None = None) -> ReplicaLoad:
-        return self._lowest(candidates, lambda r: r.outstanding)
+    def score(self, replica: ReplicaLoad) -> float:
+        return replica.outstanding
 
 
 def load_score(replica: ReplicaLoad) -> float:
@@ -88,8 +78,8 @@ def load_score(replica: ReplicaLoad) -> float:
 class LoadAware(Policy):
     name = "load-aware"
 
-    def choose(self, candidates: Sequence[ReplicaLoad], key: bytes | None = None) -> ReplicaLoad:
-        return self._lowest(candidates, load_score)
+    def score(self, replica: ReplicaLoad) -> float:
+        return load_score(replica)
 
 
 def rendezvous_weight(key: bytes, url: str) -> int:

@@ -1,34 +1,27 @@
 """The router's proxying: one request, forwarded to replicas until one takes it, and relayed.
 
-What can go wrong, and what the client sees. The router retries only what it knows a replica
-did not start: a retry of anything else could run the work twice, and a request that broke
-one replica (a query of death) would go on to break the next.
+The router retries only what it knows a replica did not start: a retry of anything else could
+run the work twice, and a request that broke one replica (a query of death) would go on to
+break the next. What can go wrong, and what the client sees:
 
-- **The replica did not take the request**: the connection was refused or not made within
-  ``--connect-timeout`` (the request never left), or it answered 429 or 503 (it refused before
-  doing anything). The router tries another replica, up to ``--max-attempts`` in all; if none
-  is left, a 502 or 503 in OpenAI's error shape (or the last replica's own refusal, such as
-  its 429). A connection that could not be made, or a 503 (our server: shutting down), ejects
-  the replica.
-- **The replica took it and failed before the first byte**: its own 500, 502 or 504 goes back
-  to the client as it is; a connection that breaks after the request was sent, or a stream
-  that ends before its first event, is a 502 and ejects the replica. No retry.
-- **The replica is silent**: no status line, or for a stream no first event, within
-  ``--first-byte-timeout``. The client gets a 504 (``replica_timeout``) and the upstream
-  connection is closed, so the replica aborts the request. No retry, and no ejection: a slow
-  answer is not a dead replica; a wedged one turns its ``/health`` to 503 (our server's
-  ``--stall-timeout``), and the active checks eject it.
-- **Mid-stream** (the replica dies after the first event): the tokens already sent cannot be
-  taken back, so the stream ends with an OpenAI-style ``{"error": ...}`` event and
-  ``data: [DONE]``: a client library raises it, and a user never mistakes a truncated answer
-  for a finished one.
-- **The client leaves**: aiohttp cancels the handler (``handler_cancellation=True``), or, when
-  a write to the client fails before the cancellation lands, the router sees it there. Either
-  way the request counts as status 499, the upstream connection is closed, and the replica,
-  seeing its own client gone, aborts the request and frees its KV blocks (chapter 9). The
-  replica is not blamed: a write to the client says nothing about the replica.
-- **A body over** ``--max-body-bytes`` (by default the server's own limit, and passed on to
-  spawned replicas): 413, before any replica sees it.
+- **Not taken**: the connection was refused or not made within ``--connect-timeout``, or the
+  replica answered 429 or 503. Another replica is tried, up to ``--max-attempts`` in all; then
+  a 502 or 503 (or the last replica's own refusal, such as its 429). A failed connection, or a
+  503 (our server: shutting down), ejects the replica.
+- **Taken, failed before the first byte**: its own 500, 502 or 504 goes back as it is; a
+  connection that breaks after sending, or a stream that ends before its first event, is a 502
+  and ejects the replica. No retry.
+- **Silent**: no status line, or for a stream no first event, within ``--first-byte-timeout``:
+  a 504 (``replica_timeout``), and the upstream connection is closed, so the replica aborts the
+  request. No retry, and no ejection: a slow answer is not a dead replica (a wedged one turns
+  its ``/health`` to 503, and the active checks eject it).
+- **Mid-stream**: the tokens sent cannot be taken back, so the stream ends with an ``{"error":
+  ...}`` event and ``data: [DONE]``, which a client library raises: a truncated answer is never
+  mistaken for a finished one.
+- **The client leaves** (the handler is cancelled, or a write to the client fails): status 499,
+  the upstream connection is closed, and the replica, seeing its client gone, aborts the
+  request and frees its KV blocks. The replica is not blamed.
+- **A body over** ``--max-body-bytes``: 413, before any replica sees it.
 """
 
 from __future__ import annotations
@@ -45,14 +38,13 @@ from aiohttp import web
 from server.router.replicas import Replica, ReplicaSet
 from server.router.config import RouterConfig
 from server.router.policy import Policy, affinity_key
-from server.wire import OpenAIError, read_body, sse, write_within
+from server.wire import CLIENT_GONE, SSE_HEADERS, OpenAIError, read_body, sse, write_within
 
 log = logging.getLogger("server.router")
 
 RETRY_STATUSES = {429, 503}  # refusals: the replica did nothing, and another may not refuse
 NEVER_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)  # no connection, so no request
 FORWARDED_HEADERS = ("Content-Type", "Authorization", "Accept", "X-Request-Id")
-CLIENT_GONE = 499
 DONE = sse("[DONE]")
 
 
@@ -90,34 +82,17 @@ class ClientGone(Exception):
         self.response = response
 
 
-def openai_error(status: int, message: str, code: str | None = None) -> web.Response:
-    err = OpenAIError(status, message, "server_error" if status >= 500 else "invalid_request_error", None, code)
-    return web.json_response(err.body(), status=status)
-
-
-@web.middleware
-async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
-    """The router's own refusals (unknown path, wrong method, body too large) in OpenAI's shape,
-    as the server's are; never a traceback."""
-    try:
-        return await handler(request)
-    except web.HTTPException as err:
-        if err.status < 400:
-            raise
-        return openai_error(err.status, err.text or err.reason)
-    except Exception:
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        return openai_error(500, "internal router error")
-
-
 async def proxy(request: web.Request) -> web.StreamResponse:
     """Forward to replicas chosen by the policy until one answers, at most ``max_attempts``."""
     state = request.app[ROUTER]
     body = await read_body(request, state.config.client_timeout)
-    key = affinity_key(_json_or_none(body))
+    try:
+        key = affinity_key(json.loads(body))
+    except ValueError:  # not JSON: the replica will answer the 400
+        key = None
     headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
     tried: list[Replica] = []
-    last = openai_error(503, "no healthy replica to send the request to", "no_healthy_replica")
+    last = OpenAIError(503, "no healthy replica to send the request to", code="no_healthy_replica").response()
     try:
         for attempt in range(state.config.max_attempts):
             candidates = [r for r in state.replicas.healthy() if r not in tried]
@@ -144,13 +119,6 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     return last
 
 
-def _json_or_none(body: bytes) -> object:
-    try:
-        return json.loads(body)
-    except ValueError:  # the replica will answer the 400
-        return None
-
-
 async def _forward(request: web.Request, state: RouterState, replica: Replica, body: bytes,
                    headers: dict[str, str]) -> web.StreamResponse:
     """One attempt on one replica. Raises :class:`AttemptFailed` when the replica did not take
@@ -167,25 +135,28 @@ async def _forward(request: web.Request, state: RouterState, replica: Replica, b
             async with asyncio.timeout(state.config.first_byte_timeout):
                 upstream = await state.session.request(request.method, replica.url + request.path,
                                                        data=body or None, headers=headers, timeout=timeout)
-                if _is_stream(upstream):
-                    first = await _first_event(upstream)
+                if upstream.status == 200 and upstream.content_type == "text/event-stream":
+                    first = await upstream.content.readuntil(b"\n\n")
+                    if not first.endswith(b"\n\n"):
+                        raise aiohttp.ClientPayloadError("the stream ended before its first event")
             if upstream.status in RETRY_STATUSES:
                 raise AttemptFailed(await _refusal(state, replica, upstream))
             if not first:
                 data = await upstream.read()
         except NEVER_SENT as err:
             state.replicas.report_failure(replica, f"{type(err).__name__}: {err}")
-            raise AttemptFailed(openai_error(502, f"replica {replica.url} could not be reached: "
-                                                  f"{type(err).__name__}", "replica_failed")) from None
+            raise AttemptFailed(OpenAIError(502, f"replica {replica.url} could not be reached: {type(err).__name__}",
+                                            code="replica_failed").response()) from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:
             state.replicas.report_failure(replica, f"{type(err).__name__}: {err}")
-            return openai_error(502, f"replica {replica.url} failed: {type(err).__name__}", "replica_failed")
+            error = OpenAIError(502, f"replica {replica.url} failed: {type(err).__name__}", code="replica_failed")
+            return error.response()
         except TimeoutError:  # the first-byte deadline (aiohttp's own timeouts are ClientConnectionErrors)
             replica.errors += 1
             log.warning("replica %s sent nothing in %g s (--first-byte-timeout)", replica.url,
                         state.config.first_byte_timeout)
-            return openai_error(504, f"replica {replica.url} sent nothing in {state.config.first_byte_timeout:g} s; "
-                                     "not retried, as it may have begun the work", "replica_timeout")
+            return OpenAIError(504, f"replica {replica.url} sent nothing in {state.config.first_byte_timeout:g} s; "
+                                    "not retried, as it may have begun the work", code="replica_timeout").response()
         if first:
             return await _relay(request, state, replica, upstream, first)
         if upstream.status >= 500:  # its own failure, passed on as it is
@@ -197,17 +168,6 @@ async def _forward(request: web.Request, state: RouterState, replica: Replica, b
         replica.outstanding -= 1
         if upstream is not None:  # closing a half-read answer is how the replica sees its client go
             upstream.release() if reusable else upstream.close()
-
-
-def _is_stream(upstream: aiohttp.ClientResponse) -> bool:
-    return upstream.status == 200 and upstream.content_type == "text/event-stream"
-
-
-async def _first_event(upstream: aiohttp.ClientResponse) -> bytes:
-    first = await upstream.content.readuntil(b"\n\n")
-    if not first.endswith(b"\n\n"):
-        raise aiohttp.ClientPayloadError("the stream ended before its first event")
-    return first
 
 
 async def _refusal(state: RouterState, replica: Replica, upstream: aiohttp.ClientResponse) -> web.Response:
@@ -224,14 +184,10 @@ async def _refusal(state: RouterState, replica: Replica, upstream: aiohttp.Clien
 
 async def _relay(request: web.Request, state: RouterState, replica: Replica, upstream: aiohttp.ClientResponse,
                  first: bytes) -> web.StreamResponse:
-    """Send the first event on, then every following event as it arrives. A stream that breaks,
-    or ends without ``data: [DONE]``, gets an error event instead of a silent end.
-
-    Reading from the replica and writing to the client fail for different reasons and are
-    caught apart: a failed read is the replica's fault (ejected); a failed write is the client
-    leaving (:class:`ClientGone`), which says nothing about the replica."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Replica": replica.url})
+    """Send the first event on, then each following one as it arrives; a stream that breaks, or
+    ends without ``data: [DONE]``, gets an error event. A failed read is the replica's fault
+    (ejected); a failed write is the client leaving (:class:`ClientGone`), not the replica's."""
+    response = web.StreamResponse(headers={**SSE_HEADERS, "X-Replica": replica.url})
     if "X-Request-Id" in upstream.headers:
         response.headers["X-Request-Id"] = upstream.headers["X-Request-Id"]
     event = first
@@ -246,7 +202,7 @@ async def _relay(request: web.Request, state: RouterState, replica: Replica, ups
             state.midstream_failures += 1
             state.replicas.report_failure(replica, "its stream broke after the first event")
             error = OpenAIError(502, f"replica {replica.url} failed mid-stream; the answer is incomplete",
-                                "server_error", None, "replica_failed")
+                                code="replica_failed")
             await write_within(request, response, sse(error.body()) + DONE, state.config.client_timeout)
         await write_within(request, response, None, state.config.client_timeout)
     except ConnectionError:  # only writes get here: the client left or stopped reading (write_within)

@@ -1,20 +1,15 @@
 """The router's view of its replicas: who is healthy, how loaded each one is.
 
-Two kinds of evidence decide whether a replica gets traffic:
+- **Active health checks**: every ``interval`` seconds, ``GET /health`` (our server answers 503
+  while it shuts down) and, when that passes, ``GET /metrics`` for the load-aware policy. A
+  replica is ejected after ``eject_after`` failed checks in a row and re-admitted after
+  ``readmit_after`` passed ones, so one slow answer does not flap it out and one lucky answer
+  does not bring a broken replica back.
+- **Passive checks**: a request refused, broken, or answered 503 ejects its replica at once:
+  that evidence is unambiguous, and waiting would send it more requests to fail. A replica that
+  is only slow is counted, not ejected: whether it is wedged is for ``/health`` to say.
 
-- **Active health checks.** Every ``interval`` seconds the router asks each replica for
-  ``GET /health`` (our server answers 503 while it shuts down) and, when that passes, reads its
-  ``GET /metrics`` for the load-aware policy: waiting and running requests, KV-cache usage,
-  prefix-cache hit rate. A replica is *ejected* after ``eject_after`` failed checks in a row
-  and *re-admitted* after ``readmit_after`` passed checks in a row, so one slow answer does not
-  flap it out and one lucky answer does not bring a broken replica back.
-- **Passive checks.** A request whose connection to a replica is refused or breaks, or that
-  it answers 503 (shutting down), ejects that replica at once: that evidence is unambiguous,
-  and waiting for the next check would send it more requests to fail. The active checks
-  re-admit it when it comes back. A replica that is only slow (the router's first-byte
-  timeout) is counted, not ejected: whether it is wedged is for ``/health`` to say.
-
-Envoy calls the same two mechanisms active health checking and outlier detection.
+Envoy calls the two active health checking and outlier detection.
 """
 
 from __future__ import annotations
@@ -72,8 +67,6 @@ class ReplicaSet:
     def __init__(self, urls: Sequence[str], eject_after: int = 2, readmit_after: int = 2) -> None:
         if not urls:
             raise ValueError("a router needs at least one replica")
-        if eject_after < 1 or readmit_after < 1:
-            raise ValueError(f"eject_after and readmit_after must be >= 1, got {eject_after}, {readmit_after}")
         urls = [u.rstrip("/") for u in urls]
         if len(set(urls)) != len(urls):
             raise ValueError(f"a replica is listed twice: {urls}")
