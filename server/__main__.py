@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Sequence
+from typing import Sequence
 
 from aiohttp import web
 
@@ -26,7 +26,7 @@ from minillm.data.tokenizer import get_tokenizer
 from minillm.train.trainer import load_or_train
 from server.app import STATE, create_app
 from server.config import ServerConfig, flag_error, parse_args
-from server.connections import running, stop_on_signals
+from server.connections import serve, stop_on_signals
 
 log = logging.getLogger("server")
 
@@ -93,17 +93,6 @@ minillm is serving {name!r} at {url}   (Ctrl+C to stop)
 """.rstrip() + "\n"
 
 
-async def serve(app: web.Application, config: ServerConfig, stop: asyncio.Event,
-                on_ready: Callable[[int], None] = lambda port: None) -> None:
-    """Serve ``app`` until ``stop`` is set, then shut down gracefully (module docstring).
-    ``on_ready`` gets the port actually bound (``--port 0`` picks a free one)."""
-    async with running(app, config.host, config.port, config.shutdown_grace, config.keep_alive_timeout,
-                       config.max_connections, config.client_timeout) as url:
-        on_ready(int(url.rpartition(":")[2]))
-        await stop.wait()
-        log.info("shutting down: %.0f s for in-flight requests to finish", config.shutdown_grace)
-
-
 async def _serve_until_signalled(app: web.Application, config: ServerConfig, notes: list[str]) -> bool:
     """Serve until the first SIGINT or SIGTERM, or until the engine loop crashes; True in the
     last case. A second Ctrl+C stops at once (:func:`server.connections.stop_on_signals`)."""
@@ -116,7 +105,7 @@ async def _serve_until_signalled(app: web.Application, config: ServerConfig, not
         stop.set()
 
     app[STATE].engine.on_crash = on_crash
-    await serve(app, config, stop, lambda port: print(banner(config, port, *notes), flush=True))
+    await serve(app, config, stop, lambda url: print(banner(config, int(url.rpartition(":")[2]), *notes), flush=True))
     return crashed
 
 

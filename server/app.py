@@ -22,6 +22,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from typing import AsyncIterator, Callable
 
 from aiohttp import web
@@ -33,10 +34,10 @@ from minillm.data.tokenizer import Tokenizer
 from server.config import ServerConfig
 from server.dashboard import add_dashboard
 from server.engine_loop import AsyncEngine, EngineFailure, Event, QueueFull, Rejected, RequestStream, ShuttingDown
-from server.logprobs_format import chat_logprobs, completion_logprobs, end_offset, unscored
 from server.metrics import Metrics
 from server.protocol import GenerationRequest, ModelCard, parse_chat, parse_completion
-from server.responses import Responses, models_list, usage
+from server.responses import (Responses, chat_logprobs, completion_logprobs, end_offset, models_list, unscored,
+                              usage)
 from server.tokens_api import add_token_routes
 from server.wire import (CLIENT_GONE, SSE_HEADERS, Handler, OpenAIError, invalid, openai_errors, read_json, sse,
                          write_within)
@@ -57,10 +58,7 @@ class State:
     metrics: Metrics
     card: ModelCard
     tokenizer: Tokenizer
-    api_key: str | None
-    stall_timeout: float = 60.0
-    client_timeout: float = 30.0
-    shutdown_grace: float = 30.0
+    config: ServerConfig  # its timeouts, grace and API key
     created: int = field(default_factory=lambda: int(time.time()))
     cutoff: asyncio.TimerHandle | None = None  # set at shutdown: ends what the grace did not
 
@@ -76,11 +74,10 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> web.Application:
     card = ModelCard(config.served_model_name, engine.model.cfg.context_length, engine.model.cfg.vocab_size)
     app = web.Application(client_max_size=config.max_body_bytes,
                           middlewares=[openai_errors("server", log, _count), auth])
-    app[STATE] = state = State(async_engine, Metrics(async_engine), card, engine.tokenizer, config.api_key,
-                               config.stall_timeout, config.client_timeout, config.shutdown_grace)
+    app[STATE] = state = State(async_engine, Metrics(async_engine), card, engine.tokenizer, config)
     state.metrics.show_memory(engine)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", partial(_generate, parse_completion, "cmpl"))
+    app.router.add_post("/v1/chat/completions", partial(_generate, parse_chat, "chatcmpl"))
     app.router.add_get("/v1/models", models)
     add_token_routes(app, state)  # /tokenize, /detokenize, /v1/models/{model}
     app.router.add_get("/health", health)
@@ -104,7 +101,8 @@ async def _stop_accepting(app: web.Application) -> None:
     state = app[STATE]
     state.engine.accepting = False
     state.engine.refuse_queued()
-    delay = state.shutdown_grace - min(CUT_MARGIN_S, state.shutdown_grace / 2)
+    grace = state.config.shutdown_grace
+    delay = grace - min(CUT_MARGIN_S, grace / 2)
     state.cutoff = asyncio.get_running_loop().call_later(delay, state.engine.cut_off)
 
 
@@ -131,7 +129,7 @@ async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     (Prometheus can be configured to). A browser cannot add that header to a page it opens, so
     outside /v1 a refusal also offers HTTP Basic auth: the browser asks for a name and password
     (the key), then sends them with the page's own requests (its event stream, its fetches)."""
-    key = request.app[STATE].api_key
+    key = request.app[STATE].config.api_key
     if key is not None and request.path not in OPEN_PATHS and not has_key(request.headers.get("Authorization", ""), key):
         challenge = "Bearer" if request.path.startswith("/v1") else 'Basic realm="minillm", charset="UTF-8"'
         raise OpenAIError(401, "missing or incorrect API key", code="invalid_api_key",
@@ -169,9 +167,9 @@ async def health(request: web.Request) -> web.Response:
     running past ``--stall-timeout``: the loop's heartbeat is its steps' completions)."""
     state = request.app[STATE]
     engine, stalled = state.engine, state.engine.stalled_for()
-    if stalled > state.stall_timeout:
+    if stalled > state.config.stall_timeout:
         body = {"status": "stalled", "detail": f"an engine step has run for {stalled:.0f} s "
-                                               f"(--stall-timeout {state.stall_timeout:g} s)"}
+                                               f"(--stall-timeout {state.config.stall_timeout:g} s)"}
         return web.json_response(body, status=503)
     ok = engine.alive and engine.accepting
     return web.json_response({"status": "ok" if ok else "unavailable"}, status=200 if ok else 503)
@@ -182,14 +180,6 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 # ----------------------------------------------------------------------------- completions
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_completion, "cmpl")
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_chat, "chatcmpl")
 
 
 @dataclass
@@ -232,15 +222,17 @@ def as_openai_error(err: Exception) -> OpenAIError:
     return OpenAIError(500, str(err), code="engine_error")
 
 
-async def _generate(request: web.Request, parse: Callable, prefix: str) -> web.StreamResponse:
-    """Check, submit, wait for the engine to accept, then answer whole or streamed; whatever
+async def _generate(parse: Callable, prefix: str, request: web.Request) -> web.StreamResponse:
+    """``POST /v1/completions`` or ``/v1/chat/completions`` (``parse``; ids start ``prefix``).
+    Check, submit, wait for the engine to accept, then answer whole or streamed; whatever
     happens, the ``finally`` closes the stream (aborting what is unfinished) and logs."""
     state = request.app[STATE]
     record = AccessRecord(f"{prefix}-{uuid.uuid4().hex}", request.path, time.monotonic())
     stream: RequestStream | None = None
     refused = False  # by the engine loop, before it took the request on
     try:
-        req: GenerationRequest = parse(await read_json(request, state.client_timeout), state.tokenizer, state.card)
+        req: GenerationRequest = parse(await read_json(request, state.config.client_timeout), state.tokenizer,
+                                         state.card)
         record.user, record.n = req.user, req.n
         choices = req.choices()
         try:
@@ -292,7 +284,7 @@ async def _tracked(stream: RequestStream, record: AccessRecord, metrics: Metrics
 @dataclass
 class Extras:
     """What a choice's answer carries beyond its generated text: with ``echo``, its prompt's
-    text first; with logprobs, each token's, in the endpoint's shape (``server.logprobs_format``)."""
+    text first; with logprobs, each token's, in the endpoint's shape (``server.responses``)."""
 
     req: GenerationRequest
     tokenizer: Tokenizer
@@ -336,7 +328,7 @@ async def _stream(request: web.Request, events: AsyncIterator[Event], responses:
     at 200, so a later failure is an ``{"error": ...}`` event, which OpenAI's clients raise."""
     response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": record.request_id})
     await response.prepare(request)
-    timeout = request.app[STATE].client_timeout
+    timeout = request.app[STATE].config.client_timeout
 
     async def send(data: dict | str | None) -> None:  # None: the end of the stream
         await write_within(request, response, None if data is None else sse(data), timeout)

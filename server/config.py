@@ -9,7 +9,7 @@ options are checked by the engine alone (:func:`~minillm.engine.build.check_opti
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, Mapping, Sequence
 
 from minillm.cli import ArgumentParser, UsageError
@@ -67,18 +67,8 @@ class ServerConfig:
                       speculative_draft=self.speculative_draft, num_speculative_tokens=self.num_speculative_tokens)
 
     def engine_config(self) -> EngineConfig:
-        """The engine's share of the settings."""
-        return EngineConfig(
-            block_size=self.block_size,
-            kv_cache_memory=self.kv_cache_memory,
-            memory_budget=self.memory_budget,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            tensor_parallel_size=self.tensor_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            attention=self.attention,
-            enforce_eager=self.enforce_eager,
-        )
+        """The engine's share of the settings: each ``EngineConfig`` field the server has a flag for."""
+        return EngineConfig(**{f.name: getattr(self, f.name) for f in fields(EngineConfig) if hasattr(self, f.name)})
 
 
 # (flag, type, help) in the order --help shows them; the default comes from ServerConfig.

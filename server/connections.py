@@ -21,7 +21,7 @@ import json
 import logging
 import resource
 import signal
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
@@ -103,6 +103,19 @@ async def running(app: web.Application, host: str = "127.0.0.1", port: int = 0, 
         yield f"http://{host}:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
+
+
+async def serve(app: web.Application, settings: Any, stop: asyncio.Event | None = None,
+                on_ready: Callable[[str], object] = print) -> None:
+    """Serve ``app`` where ``settings`` (the server's or the router's) say until ``stop`` is set
+    (by default: at the first SIGINT or SIGTERM), then shut down gracefully. ``on_ready`` gets
+    the URL actually bound (``--port 0`` picks a free port)."""
+    stop = stop or stop_on_signals()
+    async with running(app, settings.host, settings.port, settings.shutdown_grace, settings.keep_alive_timeout,
+                       settings.max_connections, settings.client_timeout) as url:
+        on_ready(url)
+        await stop.wait()
+        log.info("shutting down: %.0f s for in-flight requests to finish", settings.shutdown_grace)
 
 
 def stop_on_signals() -> asyncio.Event:

@@ -96,7 +96,7 @@ class StatsFeed:
     async def start(self, app: web.Application) -> None:
         self._task = asyncio.create_task(self._run())
 
-    async def close(self) -> None:
+    async def close(self, app: web.Application | None = None) -> None:
         """End every page's stream (graceful shutdown must not wait for them) and the sampler."""
         self.closed = True
         async with self._changed:
@@ -172,11 +172,7 @@ def add_dashboard(app: web.Application, engine: AsyncEngine, metrics: Metrics, m
     app.router.add_static("/dashboard/static", STATIC)
     app.router.add_get("/dashboard/events", events)
     app.on_startup.append(feed.start)
-    app.on_shutdown.append(_close)
-
-
-async def _close(app: web.Application) -> None:
-    await app[FEED].close()
+    app.on_shutdown.append(feed.close)
 
 
 async def index(request: web.Request) -> web.FileResponse:

@@ -7,43 +7,31 @@ get. GPT-2's tokenizer adds no special tokens, so ``add_special_tokens`` changes
 
 from __future__ import annotations
 
-from typing import Protocol
+from functools import partial
+from typing import Any
 
 from aiohttp import web
 
-from minillm.data.tokenizer import Tokenizer
-from server.protocol import ModelCard, chat_prompt, check_fields, model_not_found
+from server.protocol import chat_prompt, check_fields, model_not_found
 from server.responses import models_list
 from server.wire import invalid, read_json
 
-
-class Served(Protocol):
-    """What these routes read of the server's state (``server.app.State``, which imports this
-    module, so it is described here rather than imported)."""
-
-    tokenizer: Tokenizer
-    card: ModelCard
-    created: int
-    client_timeout: float
-
-
-SERVED: web.AppKey[Served] = web.AppKey("tokens_api.state")
 
 _TOKENIZE_FIELDS = {"prompt": None, "messages": None, "add_special_tokens": "a boolean",
                     "return_token_strs": "a boolean", "model": "a string"}
 _DETOKENIZE_FIELDS = {"tokens": None, "model": "a string"}
 
 
-def add_token_routes(app: web.Application, state: Served) -> None:
-    app[SERVED] = state
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
-    app.router.add_get("/v1/models/{model:.+}", model_card)  # served names may hold a "/"
+def add_token_routes(app: web.Application, state: Any) -> None:
+    """Mount the routes over ``state``, the server's ``server.app.State`` (which imports this
+    module): its ``tokenizer``, ``card``, ``created`` and ``config``."""
+    app.router.add_post("/tokenize", partial(tokenize, state))
+    app.router.add_post("/detokenize", partial(detokenize, state))
+    app.router.add_get("/v1/models/{model:.+}", partial(model_card, state))  # served names may hold a "/"
 
 
-async def tokenize(request: web.Request) -> web.Response:
-    state = request.app[SERVED]
-    body = await read_json(request, state.client_timeout)
+async def tokenize(state: Any, request: web.Request) -> web.Response:
+    body = await read_json(request, state.config.client_timeout)
     check_fields(body, _TOKENIZE_FIELDS, state.card)
     if "messages" in body:
         if "prompt" in body:
@@ -59,9 +47,8 @@ async def tokenize(request: web.Request) -> web.Response:
                               "token_strs": strs})
 
 
-async def detokenize(request: web.Request) -> web.Response:
-    state = request.app[SERVED]
-    body = await read_json(request, state.client_timeout)
+async def detokenize(state: Any, request: web.Request) -> web.Response:
+    body = await read_json(request, state.config.client_timeout)
     check_fields(body, _DETOKENIZE_FIELDS, state.card)
     tokens = body.get("tokens")
     limit = min(state.card.vocab_size, state.tokenizer.n_vocab)  # an id past the tokenizer's has no text
@@ -70,8 +57,7 @@ async def detokenize(request: web.Request) -> web.Response:
     return web.json_response({"prompt": state.tokenizer.decode(tokens)})
 
 
-async def model_card(request: web.Request) -> web.Response:
-    state = request.app[SERVED]
+async def model_card(state: Any, request: web.Request) -> web.Response:
     name = request.match_info["model"]
     if name != state.card.name:
         raise model_not_found(name, state.card)

@@ -92,7 +92,7 @@ class Traffic:
         with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(self.task), 5)
 
-    async def close(self) -> None:
+    async def close(self, app: web.Application | None = None) -> None:
         """At shutdown: end the run now, and start no other (a keep-alive connection can still
         POST while the server drains). Cancelled, not stopped and waited for: a request it has
         just sent may never be answered by a server that is closing."""
@@ -137,12 +137,8 @@ def add_traffic(app: web.Application, max_model_len: int, *, locked: bool, body_
     app[TRAFFIC] = traffic = Traffic(max_model_len, locked, body_timeout)
     app.router.add_post("/dashboard/traffic", start_traffic)
     app.router.add_delete("/dashboard/traffic", stop_traffic)
-    app.on_shutdown.append(_close)
+    app.on_shutdown.append(traffic.close)
     return traffic
-
-
-async def _close(app: web.Application) -> None:
-    await app[TRAFFIC].close()
 
 
 def refuse_other_sites(request: web.Request) -> None:

@@ -104,7 +104,7 @@ def test_slos_and_specs_are_checked() -> None:
     assert LoadSpec(input_len=100, range_ratio=0.5).length_range(100) == (50, 150)
 
 
-def test_prompts_are_random_tokens_or_corpus_windows_of_the_asked_lengths(monkeypatch) -> None:
+def test_prompts_are_random_tokens_corpus_windows_or_fixed_ones_of_the_asked_lengths(monkeypatch) -> None:
     spec = LoadSpec(input_len=10, output_len=20, range_ratio=0.5)
     pairs = [pair for pair, _ in zip(prompts(spec, random.Random(0)), range(200))]
     assert {len(p) for p, _ in pairs} <= set(range(5, 16)) and {n for _, n in pairs} <= set(range(10, 31))
@@ -112,6 +112,9 @@ def test_prompts_are_random_tokens_or_corpus_windows_of_the_asked_lengths(monkey
     monkeypatch.setattr(loadgen_client, "_corpus_tokens", lambda: np.arange(1000, dtype=np.uint16))
     for (prompt, _), _ in zip(prompts(replace(spec, dataset="corpus"), random.Random(0)), range(20)):
         assert prompt == list(range(prompt[0], prompt[0] + len(prompt)))  # a contiguous window
+    fixed = [[1, 2, 3], [4, 5]]
+    pairs = [pair for pair, _ in zip(prompts(replace(spec, fixed_prompts=fixed), random.Random(0)), range(4))]
+    assert pairs == [([1, 2, 3], 20), ([4, 5], 20)] * 2  # in turn, each for output_len
 
 
 # ----------------------------------------------------------------------------- live

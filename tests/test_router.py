@@ -25,14 +25,15 @@ import pytest
 from aiohttp import web
 
 from minillm.cli import UsageError
+from server.connections import running
 from server.router import __main__ as router
 from server.launch import ServerProcess, stop_all
 from server.router.replicas import Replica, ReplicaSet, parse_load
-from server.router.__main__ import ROUTER, _until_signalled, create_router, running, spawn_replicas
+from server.router.__main__ import ROUTER, _until_signalled, create_router, spawn_replicas
 from server.router.proxy import CLIENT_GONE
 from server.router.config import RouterConfig, parse_router_args
 from server.wire import MAX_BODY_BYTES
-from server.router.policy import (LeastOutstanding, LoadAware, PrefixAffinity, RoundRobin, affinity_key, make_policy)
+from server.router.policy import (LeastOutstanding, LoadAware, PrefixAffinity, RoundRobin, affinity_key)
 
 # ----------------------------------------------------------------------------- policies (pure)
 
@@ -88,8 +89,8 @@ def test_affinity_key_uses_the_session_else_the_prompts_start() -> None:
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     assert affinity_key(chat) is not None and affinity_key(chat) != affinity_key({"prompt": "hi"})
     assert affinity_key(None) is None and affinity_key({"prompt": 3}) is None
-    with pytest.raises(ValueError, match="policy must be one of"):
-        make_policy("random")
+    with pytest.raises(ValueError, match="--policy must be one of"):
+        RouterConfig(replicas=["http://127.0.0.1:8001"], policy="random")
 
 
 # ----------------------------------------------------------------------------- health (pure)

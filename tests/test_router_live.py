@@ -17,9 +17,10 @@ import torch
 from minillm.model.checkpoint import save_checkpoint
 from minillm.model.config import ModelConfig
 from minillm.model.gpt import GPT
+from server.connections import running
 from server.launch import stop_all
 from server.router.replicas import parse_load
-from server.router.__main__ import ROUTER, create_router, running, spawn_replicas
+from server.router.__main__ import ROUTER, create_router, spawn_replicas
 from server.router.config import RouterConfig
 
 

@@ -1,6 +1,6 @@
 """The server on a real socket: the official ``openai`` client, shutdown, and ``python -m server``.
 
-In-process servers run ``server.__main__.serve`` on port 0 in a thread of their own, with
+In-process servers run ``server.connections.serve`` on port 0 in a thread of their own, with
 their own event loop, exactly as ``python -m server`` runs it; the SIGTERM test starts the
 real command in a subprocess on a tiny checkpoint.
 """
@@ -32,9 +32,10 @@ from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import EngineStats, LLMEngine
 from minillm.model.gpt import GPT
 from minillm.data.tokenizer import get_tokenizer
-from server.__main__ import banner, build, serve
+from server.__main__ import banner, build
 from server.app import STATE, create_app
 from server.config import ServerConfig
+from server.connections import serve
 from server.launch import start_server
 
 
@@ -77,11 +78,11 @@ def live_server(engine: LLMEngine, **options) -> Iterator[Live]:
 
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
-    port = ready.get(timeout=30)
-    assert isinstance(port, int), port
+    url = ready.get(timeout=30)
+    assert isinstance(url, str), url
     try:
         loop = handles["loop"]
-        yield Live(f"http://127.0.0.1:{port}", app, loop, lambda: loop.call_soon_threadsafe(handles["stop"].set))
+        yield Live(url, app, loop, lambda: loop.call_soon_threadsafe(handles["stop"].set))
     finally:
         handles["loop"].call_soon_threadsafe(handles["stop"].set)
         thread.join(30)

@@ -14,15 +14,14 @@ Everything is measured on the client's clock (:mod:`server.loadgen.stats`).
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Sequence
 
+from minillm.bench import pyplot, results_dir, save_figure, save_report
 from minillm.cli import ArgumentParser, UsageError, run
-from minillm.settings import project_root
 from server.loadgen.client import DATASETS, DEFAULT_URL, LoadRun, LoadSpec
 from server.loadgen.stats import Summary, parse_slo
 
@@ -129,23 +128,15 @@ def report_of(spec: LoadSpec, model: str, runs: list[dict]) -> dict:
 
 def save(report: dict, out: Path) -> Path:
     """``loadtest.json`` for one run; ``loadtest-sweep.json`` and ``.png`` for a sweep."""
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "loadtest-sweep" if len(report["runs"]) > 1 else "loadtest"
-    path = out / f"{stem}.json"
-    path.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-    if len(report["runs"]) > 1:
-        plot_sweep(report, out / f"{stem}.png")
-    return path
+    sweep = len(report["runs"]) > 1
+    return save_report(report, out / ("loadtest-sweep.json" if sweep else "loadtest.json"),
+                       plot_sweep if sweep else None, allow_nan=False)
 
 
 def plot_sweep(report: dict, path: Path) -> None:
     """Latency against achieved throughput (TTFT, TPOT at p50 and p99), and achieved
     throughput and goodput against the offered rate."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     runs = report["runs"]
     x = [r["output_throughput"] for r in runs]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
@@ -165,9 +156,7 @@ def plot_sweep(report: dict, path: Path) -> None:
     axes[2].legend()
     fig.suptitle(f"{report['model']}: {report['spec']['input_len']} in / {report['spec']['output_len']} out tokens, "
                  f"client-side timing", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -178,8 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model, runs = asyncio.run(run_rates(spec, rates))
     except (ConnectionError, ValueError) as err:
         raise UsageError(str(err)) from None
-    out = Path(args.out) if args.out else (project_root() or Path.cwd()) / "benchmarks" / "results"
-    print(f"\nsaved {save(report_of(spec, model, runs), out)}")
+    print(f"\nsaved {save(report_of(spec, model, runs), results_dir(args.out))}")
     return 0
 
 

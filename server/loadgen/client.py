@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import random
@@ -54,6 +55,7 @@ class LoadSpec:
     request_timeout: float = 120.0
     slo: dict[str, float] | None = None  # seconds, from loadgen_stats.parse_slo
     api_key: str | None = None
+    fixed_prompts: list[list[int]] | None = None  # sent in turn instead of the dataset's, each for output_len
 
     def __post_init__(self) -> None:
         if self.num_prompts is None and self.duration is None:
@@ -86,8 +88,10 @@ def arrival_times(rate: float, burstiness: float, rng: random.Random) -> Iterato
 
 
 def prompts(spec: LoadSpec, rng: random.Random) -> Iterator[tuple[list[int], int]]:
-    """Endless ``(prompt token ids, output length)`` pairs: random ids (ordinary tokens, below
-    ``<|endoftext|>``) or windows cut at random places from the corpus the model learned from."""
+    """Endless ``(prompt token ids, output length)`` pairs: ``fixed_prompts`` in turn, random ids
+    (ordinary tokens, below ``<|endoftext|>``) or windows cut at random places from the corpus."""
+    if spec.fixed_prompts:
+        yield from ((prompt, spec.output_len) for prompt in itertools.cycle(spec.fixed_prompts))
     corpus = _corpus_tokens() if spec.dataset == "corpus" else None
     while True:
         n_in = rng.randint(*spec.length_range(spec.input_len))

@@ -23,12 +23,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from minillm.cli import UsageError, run
 from minillm.settings import preset_dir, resolve_checkpoint
-from server.connections import running, stop_on_signals
+from server.connections import serve
 from server.launch import ServerProcess, start_server, stop_all
 from server.router.replicas import ReplicaSet
 from server.router.config import RouterConfig, parse_router_args
 from server.router.proxy import ROUTER, RouterState, proxy
-from server.router.policy import make_policy
+from server.router.policy import POLICIES
 from server.wire import openai_errors
 
 log = logging.getLogger("server.router")
@@ -36,7 +36,8 @@ log = logging.getLogger("server.router")
 
 def create_router(urls: Sequence[str], config: RouterConfig) -> web.Application:
     """The router app over the replicas at ``urls``."""
-    state = RouterState(ReplicaSet(urls, config.eject_after, config.readmit_after), make_policy(config.policy), config)
+    replicas = ReplicaSet(urls, config.eject_after, config.readmit_after)
+    state = RouterState(replicas, POLICIES[config.policy](), config)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[openai_errors("router", log)])
     app[ROUTER] = state
     for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
@@ -100,24 +101,23 @@ class RouterCollector:
                                   s.retries)
         yield CounterMetricFamily(p + "midstream_failures", "Streams cut by a replica after their first event.",
                                   s.midstream_failures)
-        per_replica = [
-            (GaugeMetricFamily, "replica_healthy", "1 if the replica takes traffic, 0 if ejected.",
-             lambda r: float(r.healthy)),
-            (GaugeMetricFamily, "replica_outstanding", "Requests sent to it and not finished.", lambda r: r.outstanding),
-            (GaugeMetricFamily, "replica_waiting", "Its waiting requests, as last scraped.", lambda r: r.waiting),
+        per_replica = [  # (kind, name, help, the Replica field it reads)
+            (GaugeMetricFamily, "replica_healthy", "1 if the replica takes traffic, 0 if ejected.", "healthy"),
+            (GaugeMetricFamily, "replica_outstanding", "Requests sent to it and not finished.", "outstanding"),
+            (GaugeMetricFamily, "replica_waiting", "Its waiting requests, as last scraped.", "waiting"),
             (GaugeMetricFamily, "replica_kv_cache_usage_perc", "Its KV-cache usage, 0..1, as last scraped.",
-             lambda r: r.kv_usage),
+             "kv_usage"),
             (GaugeMetricFamily, "replica_prefix_cache_hit_rate", "Its prefix-cache hit rate, as last scraped.",
-             lambda r: r.prefix_hit_rate),
-            (CounterMetricFamily, "replica_requests", "Attempts sent to it.", lambda r: r.requests),
+             "prefix_hit_rate"),
+            (CounterMetricFamily, "replica_requests", "Attempts sent to it.", "requests"),
             (CounterMetricFamily, "replica_errors", "Attempts it failed: refused, broke, timed out, or answered 429 "
-             "or 5xx.", lambda r: r.errors),
-            (CounterMetricFamily, "replica_ejections", "Times it was taken out of rotation.", lambda r: r.ejections),
+             "or 5xx.", "errors"),
+            (CounterMetricFamily, "replica_ejections", "Times it was taken out of rotation.", "ejections"),
         ]
-        for kind, name, text, read in per_replica:
+        for kind, name, text, attribute in per_replica:
             family = kind(p + name, text, labels=["replica"])
             for r in s.replicas.replicas:
-                family.add_metric([r.url], read(r))
+                family.add_metric([r.url], float(getattr(r, attribute)))
             yield family
 
 
@@ -153,12 +153,9 @@ def spawn_replicas(config: RouterConfig) -> list[ServerProcess]:
 async def _until_signalled(app: web.Application, config: RouterConfig) -> None:
     """Serve until SIGINT or SIGTERM, printing the address once listening; a second Ctrl+C
     stops at once (:func:`server.connections.stop_on_signals`)."""
-    stop = stop_on_signals()
     urls = ", ".join(r.url for r in app[ROUTER].replicas.replicas)
-    async with running(app, config.host, config.port, config.shutdown_grace, config.keep_alive_timeout,
-                       config.max_connections, config.client_timeout) as url:
-        print(f"minillm router ({config.policy}) serving at {url} over {urls}   (Ctrl+C to stop)", flush=True)
-        await stop.wait()
+    await serve(app, config, on_ready=lambda url: print(f"minillm router ({config.policy}) serving at {url} over "
+                                                        f"{urls}   (Ctrl+C to stop)", flush=True))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -30,15 +30,16 @@ from pathlib import Path
 from typing import AsyncIterator, Sequence
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from minillm.bench import add_options, results_dir, save_figure, save_report
 from minillm.cli import ArgumentParser, run
 from minillm.settings import quick
+from server.connections import running
 from server.launch import ServerProcess, start_server, stop_all
-from server.loadgen.client import LoadRun, LoadSpec, arrival_times, send_request
-from server.loadgen.stats import RequestResult, Summary, parse_slo, summarize
-from server.router.replicas import parse_load
-from server.router.__main__ import ROUTER, RouterState, create_router, running, spawn_replicas
+from server.loadgen.client import LoadRun, LoadSpec, send_request
+from server.loadgen.stats import Summary, parse_slo
+from server.router.__main__ import ROUTER, RouterState, create_router, spawn_replicas
 from server.router.config import RouterConfig
 from server.router.policy import POLICIES
 
@@ -155,34 +156,6 @@ def shared_prefix_prompts(size: BenchSizes, seed: int) -> list[list[int]]:
             for _ in range(size.prefix_requests)]
 
 
-async def open_loop(url: str, prompts: list[list[int]], output_len: int, rate: float,
-                    slo: dict[str, float]) -> Summary:
-    """Send ``prompts`` at Poisson arrivals of ``rate`` per second (the load generator's
-    schedule and request), wait for all, summarize."""
-    in_flight = peak = 0
-
-    async def one(session: aiohttp.ClientSession, prompt: list[int]) -> RequestResult:
-        nonlocal in_flight, peak
-        in_flight += 1
-        peak = max(peak, in_flight)
-        try:
-            return await send_request(session, url, "minillm", prompt, output_len, 60)
-        finally:
-            in_flight -= 1
-
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        start, tasks = time.perf_counter(), []
-        for prompt, at in zip(prompts, arrival_times(rate, 1.0, random.Random(0))):
-            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            tasks.append(asyncio.create_task(one(session, prompt)))
-        results: list[RequestResult] = await asyncio.gather(*tasks)
-        return summarize(results, time.perf_counter() - start, peak, slo)
-
-
-def _counter(text: str, name: str) -> float:
-    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
-
-
 async def cache_counts(session: aiohttp.ClientSession, urls: Sequence[str]) -> tuple[float, float, float]:
     """Prompt tokens looked up and found in the prefix caches, and preemptions, summed over
     ``urls``. The replicas export a hit *rate*; times their prompt-token counter it is a
@@ -192,9 +165,10 @@ async def cache_counts(session: aiohttp.ClientSession, urls: Sequence[str]) -> t
     for url in urls:
         async with session.get(f"{url}/metrics") as response:
             text = await response.text()
-        tokens = _counter(text, "minillm:prompt_tokens_total")
-        looked, found = looked + tokens, found + tokens * parse_load(text)["prefix_hit_rate"]
-        preempted += _counter(text, "minillm:num_preemptions_total")
+        value = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+        tokens = value["minillm:prompt_tokens_total"]
+        looked, found = looked + tokens, found + tokens * value["minillm:prefix_cache_hit_rate"]
+        preempted += value["minillm:num_preemptions_total"]
     return looked, found, preempted
 
 
@@ -204,8 +178,10 @@ async def prefix_sharing(urls: Sequence[str], size: BenchSizes) -> list[dict]:
         for seed, policy in enumerate(POLICIES, start=10):
             looked, found, preempted = await cache_counts(session, urls)
             async with routed(urls, policy) as (url, _):
-                summary = await open_loop(url, shared_prefix_prompts(size, seed), size.prefix_output_len,
-                                          size.prefix_rate, parse_slo(size.slo))
+                summary = await LoadRun(size.spec(
+                    url, fixed_prompts=shared_prefix_prompts(size, seed), num_prompts=size.prefix_requests,
+                    warmup=0, request_rate=size.prefix_rate, input_len=size.prefix_len + size.suffix_len,
+                    output_len=size.prefix_output_len)).run()
             looked_after, found_after, preempted_after = await cache_counts(session, urls)
             hit_rate = (found_after - found) / (looked_after - looked) if looked_after > looked else 0.0
             rows.append({"policy": policy, **row(summary), "prefix cache hit rate": hit_rate,

@@ -113,13 +113,6 @@ class PrefixAffinity(Policy):
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (RoundRobin, LeastOutstanding, LoadAware, PrefixAffinity)}
 
 
-def make_policy(name: str) -> Policy:
-    """A policy by its name (``round-robin``, ``least-outstanding``, ``load-aware``, ``prefix``)."""
-    if name not in POLICIES:
-        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {name!r}")
-    return POLICIES[name]()
-
-
 def affinity_key(body: object) -> bytes | None:
     """The key that ``prefix`` routes on: the ``user`` field when a client names its session,
     else the start of the prompt (the chat messages, serialized, for a chat request). None
