@@ -98,13 +98,12 @@ def test_bf16_is_skipped_aloud_where_the_cpu_only_emulates_it(monkeypatch, capsy
     import torch
 
     from minillm.bench import __main__ as bench_main
-    from minillm.bench import decode
 
-    monkeypatch.setattr(decode, "cpu_has_bf16_matmul", lambda: False)
+    monkeypatch.setattr(bench_main, "cpu_has_bf16_matmul", lambda: False)
     assert bench_main.parse_dtypes("float32,bfloat16", torch.device("cpu")) == [torch.float32]
     assert "skipping bfloat16" in capsys.readouterr().out
     assert bench_main.parse_dtypes("bfloat16", torch.device("cpu")) == [torch.bfloat16]  # asked alone: measured
-    monkeypatch.setattr(decode, "cpu_has_bf16_matmul", lambda: True)
+    monkeypatch.setattr(bench_main, "cpu_has_bf16_matmul", lambda: True)
     assert bench_main.parse_dtypes("float32,bfloat16", torch.device("cpu")) == [torch.float32, torch.bfloat16]
 
 

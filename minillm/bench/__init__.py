@@ -10,8 +10,15 @@ What the benchmarks share lives here, importing nothing beyond the standard libr
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import IO, Callable
 
 from minillm.settings import project_root
 
@@ -79,3 +86,50 @@ def save_figure(fig, path: Path, dpi: int = 120) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
+
+
+def tail(text: str, lines: int = 15) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Straight to 127.0.0.1: an http_proxy in the environment must not carry local requests away.
+LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+@contextmanager
+def local_server(command: list[str], port: int, log: IO[str], *, name: str, timeout: float,
+                 error: type[Exception] = RuntimeError, env: dict | None = None) -> Iterator[str]:
+    """``command``, a server listening on ``port``, running for the ``with`` block once it
+    answers ``/health``; yields its URL. Its output goes to ``log``, a file, not a pipe: a full
+    pipe would stall it. Raises ``error`` if it exits or is not ready within ``timeout`` s."""
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if server.poll() is not None:
+                log.seek(0)
+                raise error(f"{name} exited with status {server.returncode}:\n{tail(log.read())}")
+            try:
+                with LOCAL.open(f"{url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass  # still loading (503) or not listening yet
+            if time.monotonic() > deadline:
+                raise error(f"{name} was not ready within {timeout:.0f} s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        server.terminate()  # SIGTERM: the server finishes what it holds and exits
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()

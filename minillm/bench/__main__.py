@@ -23,6 +23,7 @@ from minillm.model.config import get_preset
 from minillm.machine.hardware import default_device, device_name, resolve_dtype
 from minillm.model.gpt import GPT
 from minillm.settings import quick
+from minillm.train.trainer import cpu_has_bf16_matmul
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -97,9 +98,9 @@ def parse_batches(text: str) -> list[int]:
 def parse_dtypes(text: str, device: torch.device) -> list[torch.dtype]:
     """The dtypes asked for, less bf16 where this machine only emulates it (said aloud)."""
     dtypes = [resolve_dtype(d.strip()) for d in text.split(",") if d.strip()]
-    note = decode_bench.bf16_note(device)
-    if note and torch.bfloat16 in dtypes and len(dtypes) > 1:
-        print(f"skipping bfloat16: {note} (ask for --dtypes bfloat16 alone to measure it anyway)")
+    if device.type == "cpu" and not cpu_has_bf16_matmul() and torch.bfloat16 in dtypes and len(dtypes) > 1:
+        print("skipping bfloat16: this CPU has no native bf16 matrix instructions (AVX-512 BF16 or AMX): PyTorch "
+              "emulates them (ask for --dtypes bfloat16 alone to measure it anyway)")
         dtypes.remove(torch.bfloat16)
     return dtypes
 

@@ -105,7 +105,7 @@ def time_kernels(
             try:
                 error = (fn(q, k, v).float() - expected).abs().max().item()
                 timing = time_repeats(lambda: fn(q, k, v), device, repeats=repeats)
-                seconds, quartiles = timing.median, (timing.q1, timing.q3)
+                seconds, quartiles = timing.median, timing.quartiles
             except torch.OutOfMemoryError:
                 error = seconds = quartiles = None
                 torch.cuda.empty_cache()

@@ -2,15 +2,11 @@
 
 ``B`` sequences of ``PROMPT_LEN`` prompt tokens each decode ``NEW_TOKENS`` tokens together;
 the rate is ``B x (tokens decoded)`` over the decode steps' time (prefill excluded), for
-``B`` in 1, 8, 32, 64, on the same weights, in one run:
-
-- our engine three ways: the plain reference (``enforce_eager=True``), eager with weights
-  prepacked for oneDNN (:mod:`minillm.speedups.packed`, a CPU's default), and captured
-  (:mod:`minillm.speedups.decode_graphs`: Inductor on a CPU, CUDA graphs on a GPU);
-- ``transformers`` ``generate`` (static batch, its own KV cache), decode time taken as the
-  time for ``NEW_TOKENS`` tokens minus the time for one;
-- llama.cpp on the GGUF of the same weights, when ``make llamacpp`` has built it:
-  ``llama-bench`` (batch 1) and ``llama-batched-bench``.
+``B`` in 1, 8, 32, 64, on the same weights, in one run: our engine three ways (the plain
+reference, ``enforce_eager=True``; eager with weights prepacked for oneDNN,
+:mod:`minillm.speedups.packed`, a CPU's default; captured, :mod:`minillm.speedups.decode_graphs`:
+Inductor on a CPU, CUDA graphs on a GPU), ``transformers`` ``generate`` and, when
+``make llamacpp`` has built it, llama.cpp on the GGUF of the same weights.
 
 Each rate is also given as a fraction of the roof: a step cannot beat reading every weight
 once (weight bytes over the bandwidth measured at that working-set size) nor doing its
@@ -28,13 +24,12 @@ from pathlib import Path
 import torch
 
 from minillm.bench import llamacpp, pyplot, save_figure, save_report
-from minillm.bench.engine import as_transformers
+from minillm.bench.engine import as_transformers, prefilled
 from minillm.engine.config import EngineConfig
 from minillm.engine.build import build_engine
 from minillm.machine.hardware import measure_bandwidth, measure_matmul_flops
 from minillm.model.gpt import GPT, matmul_parameters
 from minillm.decoding.sampling import SamplingParams
-from minillm.train.trainer import cpu_has_bf16_matmul
 
 PROMPT_LEN = 16
 NEW_TOKENS = 128
@@ -61,10 +56,7 @@ def engine_rate(model: GPT, batch: int, new_tokens: int, **options) -> tuple[flo
         engine.graphs.prepare([engine.graphs.bucket(batch)])
     startup = time.perf_counter() - start
     params = SamplingParams(max_tokens=new_tokens + 1, temperature=0, ignore_eos=True)
-    for i, p in enumerate(prompts(batch, model.cfg.vocab_size)):
-        engine.add_request(f"d{i}", p, params)
-    while any(s.num_output_tokens == 0 for s in [*engine.scheduler.running, *engine.scheduler.waiting]):
-        engine.step()
+    prefilled(engine, prompts(batch, model.cfg.vocab_size), params)
     decoded = 0
     start = time.perf_counter()
     while engine.has_unfinished:
@@ -140,13 +132,6 @@ def run_decode_bench(model: GPT, batches: list[int], new_tokens: int, with_hf: b
             for b, rate in by_batch.items():
                 rates.setdefault(f"llama.cpp ({name})", {}).setdefault(b, []).append(rate)
     return report
-
-
-def bf16_note(device: torch.device) -> str | None:
-    """Why bf16 numbers from this machine would mislead, or None."""
-    if device.type == "cpu" and not cpu_has_bf16_matmul():
-        return "this CPU has no native bf16 matrix instructions (AVX-512 BF16 or AMX): PyTorch emulates them"
-    return None
 
 
 def summary(report: dict) -> list[str]:

@@ -174,6 +174,17 @@ def run_hf(model: GPT, w: Workload, batch_size: int) -> Result | None:
     return _timed(f"transformers generate, static batches of {batch_size}", w, go, batch_size=batch_size)
 
 
+def prefilled(engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]):
+    """``engine`` holding ``prompts`` (with ``params``, one for all or one each), stepped until
+    each has its first token: every step after is a decode step."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, p)
+    while engine.scheduler.num_waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
+        engine.step()
+    return engine
+
+
 @torch.inference_mode()
 def batch1_decode(model: GPT, context: int = 128, repeats: int = 20, bandwidth: float | None = None) -> dict:
     """One sequence's decode step against its memory roofline: every weight is read once per
@@ -181,13 +192,11 @@ def batch1_decode(model: GPT, context: int = 128, repeats: int = 20, bandwidth: 
     from minillm.engine.build import build_engine
 
     context = min(context, model.cfg.context_length - repeats - 4)
-    engine = build_engine(model)
     params = SamplingParams(max_tokens=repeats + 4, temperature=0, ignore_eos=True)
-    engine.add_request("b1", list(range(1, context + 1)), params)
-    engine.step()  # prefill
+    engine = prefilled(build_engine(model), [list(range(1, context + 1))], params)
     device = model.device
     seconds = median_seconds(engine.step, device, repeats, warmup=3)
-    engine.abort("b1")
+    engine.abort("r0")
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bandwidth = bandwidth or measure_bandwidth(device, "reduce")
     bound = bandwidth / weight_bytes

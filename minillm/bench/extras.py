@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from minillm.bench import add_options, pyplot, save_figure, save_report
-from minillm.bench.engine import load_weights
+from minillm.bench.engine import load_weights, prefilled
 from minillm.cli import UsageError
 from minillm.engine.config import EngineConfig
 from minillm.engine.build import build_engine
@@ -51,15 +51,11 @@ EXTRAS: dict[str, dict] = {
 def _engine(model: GPT, asking: int, extras: dict, max_tokens: int) -> LLMEngine:
     """An engine with ``BATCH`` greedy requests past their prefill, the first ``asking`` of
     them with ``extras``."""
-    engine = build_engine(model, EngineConfig(max_num_seqs=BATCH))
     gen = torch.Generator().manual_seed(0)
-    for i in range(BATCH):
-        prompt = torch.randint(model.cfg.vocab_size - 1, (PROMPT_LEN,), generator=gen).tolist()
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                                           **(extras if i < asking else {})))
-    while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.num_waiting:
-        engine.step()
-    return engine
+    prompts = [torch.randint(model.cfg.vocab_size - 1, (PROMPT_LEN,), generator=gen).tolist() for _ in range(BATCH)]
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **(extras if i < asking else {}))
+              for i in range(BATCH)]
+    return prefilled(build_engine(model, EngineConfig(max_num_seqs=BATCH)), prompts, params)
 
 
 def _timed_steps(engine: LLMEngine, steps: int) -> float:

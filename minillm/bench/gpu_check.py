@@ -254,10 +254,7 @@ def committed_results(results: Path | None = None) -> dict | None:
             return None
         results = root / "benchmarks" / "results" / "gpu"
     runs = sorted(p for p in results.glob("*/gpu_check.json") if p.is_file())
-    if not runs:
-        return None
-    report = json.loads(runs[-1].read_text())
-    return report | {"folder": runs[-1].parent.name}
+    return json.loads(runs[-1].read_text()) | {"folder": runs[-1].parent.name} if runs else None
 
 
 def missing_imports(names: Sequence[str] = IMPORTS) -> dict[str, str]:

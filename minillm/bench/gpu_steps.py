@@ -14,14 +14,11 @@ from __future__ import annotations
 import json
 import os
 import platform
-import queue
-import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import asdict
@@ -30,6 +27,7 @@ from pathlib import Path
 import torch
 
 from minillm.bench import decode as decode_bench
+from minillm.bench import free_port, local_server
 from minillm.bench.engine import load_weights
 from minillm.machine.hardware import DTYPES, device_name, first_order_batch, measure_machine, measure_matmul_flops
 from minillm.machine.roofline import decode_roof, measure_decode, nearly_free_batch, plot_roofline
@@ -229,9 +227,6 @@ def training(ctx) -> None:
         print(f"  compile={compiled}: {rate:,.0f} tok/s, MFU {row['mfu']:.1%}, epoch {row['epoch_hours']:.2f} h", flush=True)
 
 
-_BANNER = re.compile(r"serving .* at (http://\S+)")
-
-
 def server(ctx) -> None:
     """Step 6: ``python -m server`` on random weights of the GPU model, then a short
     ``python -m server.loadgen`` sweep against it: TTFT/TPOT percentiles, sustained tokens/s."""
@@ -242,59 +237,35 @@ def server(ctx) -> None:
     ckpt = save_checkpoint(ctx.work / "server-model" / CHECKPOINT_NAME,
                            {"model": model.state_dict(), "model_config": model.cfg.to_dict(), "history": []})
     torch_dtype = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
-    serve = [sys.executable, "-m", "server", "--checkpoint", str(ckpt), "--port", "0", "--device", str(ctx.device),
-             "--dtype", torch_dtype, "--log-level", "warning"]
+    port = free_port()
+    serve = [sys.executable, "-m", "server", "--checkpoint", str(ckpt), "--port", str(port), "--device",
+             str(ctx.device), "--dtype", torch_dtype, "--log-level", "warning"]
     if ctx.dry_run:
         sweep = ["--sweep", "4,inf", "--num-prompts", "4", "--input-len", "16", "--output-len", "16"]
     else:
         sweep = ["--sweep", "8,32,128,inf", "--num-prompts", "64", "--input-len", "128", "--output-len", "128"]
     ctx.save(preset=preset, dtype=torch_dtype, weights=source, server_command=" ".join(serve[1:]))
-    proc = subprocess.Popen(serve, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
-    log: list[str] = []
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_pump, args=(proc, log, lines), daemon=True).start()
-    try:
-        began = time.perf_counter()
-        url = _wait_for_banner(lines, timeout=max(ctx.left * 0.5, 5))
-        ctx.save(url=url, startup_s=time.perf_counter() - began)
-        out = ctx.work / "loadgen"
-        loadgen = [sys.executable, "-m", "server.loadgen", "--url", url, *sweep, "--slo", "ttft=500ms,tpot=50ms",
-                   "--out", str(out)]
-        ctx.save(loadgen_command=" ".join(loadgen[1:]))
-        done = subprocess.run(loadgen, capture_output=True, text=True, env=child_env(), timeout=max(ctx.left - 10, 5))
-        print(done.stdout[-3000:], flush=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"server.loadgen exited {done.returncode}: {(done.stdout + done.stderr)[-2000:]}")
-        report = json.loads((out / "loadtest-sweep.json").read_text())
-        ctx.save(loadtest=report, summary=[{"request_rate": r["request_rate"], "output_tok_s": r["output_throughput"],
-                                           "ttft_ms": r["ttft_ms"], "tpot_ms": r["tpot_ms"], "goodput": r["goodput"]}
-                                          for r in report["runs"]])
-        shutil.copy(out / "loadtest-sweep.png", ctx.out / "loadtest.png")
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        ctx.save(server_log_tail="".join(log[-30:]))
-
-
-def _pump(proc: subprocess.Popen, log: list[str], lines: queue.Queue) -> None:
-    for line in proc.stdout:
-        log.append(line)
-        lines.put(line)
-    lines.put(None)
-
-
-def _wait_for_banner(lines: queue.Queue, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
+    began = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as log:
         try:
-            line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
-        except queue.Empty:
-            raise RuntimeError(f"the server did not listen within {timeout:.0f} s") from None
-        if line is None:
-            raise RuntimeError("the server exited before it listened")
-        if match := _BANNER.search(line):
-            return match.group(1)
+            with local_server(serve, port, log, name="the server", timeout=max(ctx.left * 0.5, 5),
+                              env=child_env()) as url:
+                ctx.save(url=url, startup_s=time.perf_counter() - began)
+                out = ctx.work / "loadgen"
+                loadgen = [sys.executable, "-m", "server.loadgen", "--url", url, *sweep,
+                           "--slo", "ttft=500ms,tpot=50ms", "--out", str(out)]
+                ctx.save(loadgen_command=" ".join(loadgen[1:]))
+                done = subprocess.run(loadgen, capture_output=True, text=True, env=child_env(),
+                                      timeout=max(ctx.left - 10, 5))
+                print(done.stdout[-3000:], flush=True)
+                if done.returncode != 0:
+                    why = (done.stdout + done.stderr)[-2000:]
+                    raise RuntimeError(f"server.loadgen exited {done.returncode}: {why}")
+                report = json.loads((out / "loadtest-sweep.json").read_text())
+                ctx.save(loadtest=report, summary=[
+                    {"request_rate": r["request_rate"], "output_tok_s": r["output_throughput"],
+                     "ttft_ms": r["ttft_ms"], "tpot_ms": r["tpot_ms"], "goodput": r["goodput"]} for r in report["runs"]])
+                shutil.copy(out / "loadtest-sweep.png", ctx.out / "loadtest.png")
+        finally:
+            log.seek(0)
+            ctx.save(server_log_tail="".join(log.readlines()[-30:]))

@@ -1,15 +1,7 @@
 """llama.cpp as the yardstick: its own benchmarks and its greedy tokens, on our exported GGUF.
 
-``make llamacpp`` builds three of llama.cpp's programs into ``.cache/llama.cpp/bin`` (or point
-``MINILLM_LLAMACPP_BIN`` at a folder that holds them):
-
-- ``llama-bench`` measures one sequence's decode rate, named as llama.cpp names it (``tg128``:
-  128 generated tokens after an empty prompt), over several repetitions;
-- ``llama-batched-bench`` decodes ``B`` sequences at once after an ``npp``-token prompt each,
-  the batch sizes our engine is measured at;
-- ``llama-server`` answers ``/completion`` with the generated token ids, so its greedy
-  continuation of a prompt can be compared with ours token for token.
-
+``make llamacpp`` builds ``llama-bench``, ``llama-batched-bench`` and ``llama-server`` into
+``.cache/llama.cpp/bin`` (or point ``MINILLM_LLAMACPP_BIN`` at a folder that holds them).
 Each helper raises :class:`LlamaCppError` with a message that says what failed (a missing
 binary, the program's own last lines of output), never a bare subprocess traceback.
 """
@@ -18,16 +10,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from minillm.bench import LOCAL, free_port, local_server, tail
 from minillm.export.gguf import gguf_context_length
 from minillm.settings import home
 
@@ -69,10 +60,6 @@ def _model(gguf_path: str | Path, positions: int | None = None) -> Path:
     return path
 
 
-def _tail(text: str, lines: int = 15) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
-
-
 def _run(args: list[str], timeout: float) -> str:
     """Run a llama.cpp program and return its standard output, or raise with its last words."""
     try:
@@ -81,7 +68,7 @@ def _run(args: list[str], timeout: float) -> str:
         raise LlamaCppError(f"{Path(args[0]).name} did not finish within {timeout:.0f} s") from None
     if done.returncode != 0:
         raise LlamaCppError(
-            f"{Path(args[0]).name} exited with status {done.returncode}:\n{_tail(done.stderr + done.stdout)}"
+            f"{Path(args[0]).name} exited with status {done.returncode}:\n{tail(done.stderr + done.stdout)}"
         )
     return done.stdout
 
@@ -89,8 +76,8 @@ def _run(args: list[str], timeout: float) -> str:
 def llama_bench_tg(
     gguf_path: str | Path, n_gen: int = 128, *, threads: int = 2, repetitions: int = 5, timeout: float = 1800
 ) -> float:
-    """Batch-1 decode rate in tokens/s: ``llama-bench``'s ``tg{n_gen}`` row (no prompt, the
-    mean over ``repetitions`` runs)."""
+    """Batch-1 decode rate in tokens/s: ``llama-bench``'s ``tg{n_gen}`` row (``n_gen`` generated
+    tokens after an empty prompt, the mean over ``repetitions`` runs)."""
     model = _model(gguf_path, n_gen)
     out = _run([str(binary("llama-bench")), "-m", str(model), "-p", "0", "-n", str(n_gen), "-t", str(threads),
                 "-r", str(repetitions), "-o", "json"], timeout)
@@ -98,7 +85,7 @@ def llama_bench_tg(
         rows = json.loads(out)
         return next(float(r["avg_ts"]) for r in rows if r["n_prompt"] == 0 and r["n_gen"] == n_gen)
     except (ValueError, KeyError, TypeError, StopIteration):
-        raise LlamaCppError(f"llama-bench printed no tg{n_gen} row:\n{_tail(out)}") from None
+        raise LlamaCppError(f"llama-bench printed no tg{n_gen} row:\n{tail(out)}") from None
 
 
 def batched_bench_tg(
@@ -128,18 +115,8 @@ def batched_bench_tg(
             rates[int(row["pl"])] = float(row["speed_tg"])
     missing = [b for b in batch_sizes if b not in rates]
     if missing:
-        raise LlamaCppError(f"llama-batched-bench reported no row for batch sizes {missing}:\n{_tail(out)}")
+        raise LlamaCppError(f"llama-batched-bench reported no row for batch sizes {missing}:\n{tail(out)}")
     return {b: rates[b] for b in batch_sizes}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# Straight to 127.0.0.1: an http_proxy in the environment must not carry local requests away.
-_LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 @contextmanager
@@ -148,36 +125,12 @@ def llama_server(gguf_path: str | Path, *, threads: int = 2, startup_timeout: fl
 
     One slot, the model's own context, and an ``f32`` KV cache: llama.cpp's default ``f16``
     cache rounds every key and value, which is a difference in the cache, not in the model."""
-    port = _free_port()
+    port = free_port()
     args = [str(binary("llama-server")), "-m", str(_model(gguf_path)), "--host", "127.0.0.1",
             "--port", str(port), "-np", "1", "-t", str(threads), "-ctk", "f32", "-ctv", "f32", "--no-webui"]
-    log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would stall the server
-    server = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if server.poll() is not None:
-                log.seek(0)
-                raise LlamaCppError(f"llama-server exited with status {server.returncode}:\n{_tail(log.read())}")
-            try:
-                with _LOCAL.open(f"{url}/health", timeout=5) as response:
-                    if response.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass  # still loading (503) or not listening yet
-            if time.monotonic() > deadline:
-                raise LlamaCppError(f"llama-server was not ready within {startup_timeout:.0f} s")
-            time.sleep(0.2)
+    with tempfile.TemporaryFile("w+") as log, local_server(args, port, log, name="llama-server",
+                                                            timeout=startup_timeout, error=LlamaCppError) as url:
         yield url
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()
 
 
 def server_greedy_tokens(url: str, prompt_ids: Sequence[int], n: int, timeout: float = 300) -> list[int]:
@@ -188,7 +141,7 @@ def server_greedy_tokens(url: str, prompt_ids: Sequence[int], n: int, timeout: f
     request = urllib.request.Request(f"{url}/completion", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
     try:
-        with _LOCAL.open(request, timeout=timeout) as response:
+        with LOCAL.open(request, timeout=timeout) as response:
             answer = json.loads(response.read())
     except urllib.error.HTTPError as err:
         raise LlamaCppError(f"llama-server refused the request ({err.code}): {err.read().decode()[:500]}") from None

@@ -19,15 +19,18 @@ the plain reference, eager with packed weights, and captured
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections import defaultdict
 from typing import Callable
+from unittest import mock
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from minillm.bench.decode import ENGINES, prompts
+from minillm.bench.engine import prefilled
 from minillm.engine import model_runner
 from minillm.engine.config import EngineConfig
 from minillm.engine.build import build_engine
@@ -79,22 +82,15 @@ def _instrument(engine: LLMEngine, seconds: dict[str, float]) -> Callable[[], No
         patches += [(model, "hidden_states", "forward"), (model, "logits", "LM head")]
     else:  # the model's methods are inside the compiled program: wrapping them would recompile it
         patches += [(graphs, "fill", "step tensors"), (graphs, "program", "forward + LM head")]
-    originals = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    patched = contextlib.ExitStack()
     for obj, name, phase in patches:
         fn = getattr(obj, name)
         if name == "program":  # time the program's run, not its lookup
-            setattr(obj, name, lambda b, fn=fn: _timed(seconds, phase, fn(b)))
+            wrapped = lambda b, fn=fn, phase=phase: _timed(seconds, phase, fn(b))  # noqa: E731
         else:
-            setattr(obj, name, _timed(seconds, phase, fn))
-
-    def restore() -> None:
-        for obj, name, fn in originals:
-            if obj is model_runner:
-                setattr(obj, name, fn)
-            else:
-                delattr(obj, name) if name in vars(obj) else setattr(obj, name, fn)
-
-    return restore
+            wrapped = _timed(seconds, phase, fn)
+        patched.enter_context(mock.patch.object(obj, name, wrapped))
+    return patched.close
 
 
 @torch.inference_mode()
@@ -103,10 +99,7 @@ def profile_decode(model: GPT, batch: int, method: str, steps: int = 10) -> dict
     :data:`ENGINES` name) says: step time, phases, operators."""
     engine = build_engine(model, EngineConfig(max_num_seqs=batch, kv_cache_memory="512MiB", **ENGINES[method]))
     params = SamplingParams(max_tokens=3 * steps + 8, temperature=0, ignore_eos=True)
-    for i, prompt in enumerate(prompts(batch, model.cfg.vocab_size)):
-        engine.add_request(f"p{i}", prompt, params)
-    while any(s.num_computed_tokens < s.prompt_len for s in engine.scheduler.running) or engine.scheduler.num_waiting:
-        engine.step()
+    prefilled(engine, prompts(batch, model.cfg.vocab_size), params)
     if engine.graphs is not None:
         engine.graphs.prepare([engine.graphs.bucket(batch)])
 

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from minillm.bench import add_options, pyplot, save_figure, save_report
+from minillm.bench.engine import prefilled
 from minillm.cli import UsageError
 from minillm.model.checkpoint import CHECKPOINT_NAME, load_model, load_state, preset_dir
 from minillm.data.corpus import Corpus, prepare_corpus
@@ -150,18 +151,11 @@ class SpeedProbe:
         self.prompt = _prompts(1, prompt_len, model.cfg.vocab_size, seed=1)[0]
         self.first = _engine(model, 1, prompt_len + 2)
         self.count = 0
-        self.engines = {b: self._prefilled(model, b, prompt_len, steps) for b in (1, wide_batch)}
-
-    @staticmethod
-    def _prefilled(model: GPT, batch: int, context: int, steps: int) -> LLMEngine:
-        engine = _engine(model, batch, context + steps + 4)
         params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
-        for i, prompt in enumerate(_prompts(batch, context, model.cfg.vocab_size)):
-            engine.add_request(f"decode-{i}", prompt, params)
-        while engine.stats().prefill_tokens < batch * context:
-            engine.step()
-        engine.step()  # warm: the first pure decode step
-        return engine
+        self.engines = {b: prefilled(_engine(model, b, prompt_len + steps + 4),
+                                     _prompts(b, prompt_len, model.cfg.vocab_size), params) for b in (1, wide_batch)}
+        for engine in self.engines.values():
+            engine.step()  # warm: the first pure decode step
 
     @torch.inference_mode()
     def ttft(self) -> float:

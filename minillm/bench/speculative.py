@@ -125,16 +125,9 @@ def step_costs(target: GPT, draft: GPT, ks: list[int], context: int = 64, repeat
     runs once per round, so a busy neighbour slows them alike."""
     variants = {"target": _cached_step(target, 1, 1, context), "draft": _cached_step(draft, 1, 1, context),
                 **{k: _cached_step(target, 1, k + 1, context) for k in ks}}
-    times = interleaved_times(variants, target.device, repeats)
-    median = {name: statistics.median(t) for name, t in times.items()}
-    return {"context": context, "target_step_s": median["target"], "draft_step_s": median["draft"],
-            "verify_s": {k: median[k] for k in ks}, "quartiles_s": {name: _quartiles(t) for name, t in times.items()}}
-
-
-def _quartiles(times: list[float]) -> list[float]:
-    """The first and third quartiles of ``times``: the spread around their median."""
-    t = Timing.of(times)
-    return [t.q1, t.q3]
+    t = {name: Timing.of(s) for name, s in interleaved_times(variants, target.device, repeats).items()}
+    return {"context": context, "target_step_s": t["target"].median, "draft_step_s": t["draft"].median,
+            "verify_s": {k: t[k].median for k in ks}, "quartiles_s": {name: list(t[name].quartiles) for name in t}}
 
 
 @torch.no_grad()
@@ -149,10 +142,11 @@ def batched_verify_cost(target: GPT, batch_sizes: list[int], k: int, context: in
         target(torch.randint(target.cfg.vocab_size, (b, context), device=target.device), cache=cache)
         steps = {"one": _cached_step(target, b, 1, context, cache),
                  "verify": _cached_step(target, b, k + 1, context, cache)}
-        times = interleaved_times(steps, target.device, repeats)
-        one, verify = statistics.median(times["one"]), statistics.median(times["verify"])
+        t = {name: Timing.of(s) for name, s in interleaved_times(steps, target.device, repeats).items()}
+        one, verify = t["one"].median, t["verify"].median
         rows.append({"batch": b, "step_s": one, "verify_s": verify, "ratio": verify / one,
-                     "step_quartiles_s": _quartiles(times["one"]), "verify_quartiles_s": _quartiles(times["verify"])})
+                     "step_quartiles_s": list(t["one"].quartiles),
+                     "verify_quartiles_s": list(t["verify"].quartiles)})
     return rows
 
 

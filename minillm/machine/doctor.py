@@ -56,18 +56,13 @@ def check_device() -> Check:
     return Check("device", True, f"{device.type}: {device_name(device)}")
 
 
-def check_packages(names: tuple[str, ...] = ("numpy", "tiktoken", "datasets", "matplotlib", "aiohttp")) -> Check:
+def check_packages(names: tuple[str, ...] = ("numpy", "tiktoken", "datasets", "matplotlib", "aiohttp"),
+                   name: str = "packages", fix: str = "run `make serve` (or `pip install -e .`) in the repository",
+                   required: bool = True) -> Check:
     missing = [n for n in names if importlib.util.find_spec(n) is None]
     if missing:
-        return Check("packages", False, "missing: " + ", ".join(missing), "run `make serve` (or `pip install -e .`) in the repository")
-    return Check("packages", True, ", ".join(names))
-
-
-def check_notebook_packages() -> Check:
-    missing = [n for n in ("ipywidgets", "ipykernel", "nbval") if importlib.util.find_spec(n) is None]
-    if missing:
-        return Check("notebooks", None, "missing: " + ", ".join(missing), "run `make lab` or `pip install -e .[dev]` for the notebook extras")
-    return Check("notebooks", True, "ipywidgets, ipykernel, nbval")
+        return Check(name, False if required else None, "missing: " + ", ".join(missing), fix)
+    return Check(name, True, ", ".join(names))
 
 
 def check_tokenizer() -> Check:
@@ -98,7 +93,9 @@ def check_disk(min_free_gb: float = 2.0) -> Check:
 
 def run_checks() -> list[Check]:
     """Every check, in the order a person would fix them."""
-    return [check_python(), check_torch(), check_packages(), check_notebook_packages(),
+    notebooks = check_packages(("ipywidgets", "ipykernel", "nbval"), "notebooks",
+                               "run `make lab` or `pip install -e .[dev]` for the notebook extras", required=False)
+    return [check_python(), check_torch(), check_packages(), notebooks,
             check_device(), check_tokenizer(), check_corpus_source(), check_disk()]
 
 

@@ -188,6 +188,10 @@ class Timing:
         q1, median, q3 = statistics.quantiles(seconds, n=4, method="inclusive")
         return cls(median, q1, q3)
 
+    @property
+    def quartiles(self) -> tuple[float, float]:
+        return self.q1, self.q3
+
 
 def time_repeats(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1, *,
                  clock: Callable[[], float] = time.perf_counter) -> Timing:

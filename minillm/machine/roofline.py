@@ -196,7 +196,7 @@ def measure_decode(
     for b in batches:
         timing = decode_step_timing(model, b, context, repeats)
         points.append(replace(predict_decode(model.cfg, spec, dtype, b, context), measured_seconds=timing.median,
-                              measured_quartiles=(timing.q1, timing.q3)))
+                              measured_quartiles=timing.quartiles))
     return points
 
 
