@@ -246,7 +246,7 @@ def test_limits_on_sequences_and_tokens():
         sim.add(str(i), [i + 1] * 3, max_tokens=4, ignore_eos=True)
     out = sim.step()
     assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("0", 3), ("1", 2)]
-    assert sim.sched.num_running == 2 and sim.sched.num_waiting == 2
+    assert len(sim.sched.running) == 2 and sim.sched.num_waiting == 2
     run_to_end(sim)
 
 

@@ -102,7 +102,16 @@ def prepare_corpus(
     """
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if verbose else (lambda msg: None)
     if source == "auto":
-        return _prepare_auto(max_stories, seed, rebuild, log)
+        try:
+            return _build(TinyStoriesSource(), max_stories, seed, rebuild, log,
+                          reason="auto: TinyStories was available")
+        except CorpusUnavailable:
+            why = "auto: the Hugging Face hub did not answer (offline?) and TinyStories is not cached here"
+        except Exception as err:  # a partial download, a changed dataset: fall back, loudly
+            why = f"auto: TinyStories failed to load ({type(err).__name__}: {str(err)[:120]})"
+        log(f"{why}; using the synthetic children's stories instead.")
+        return _build(SyntheticSource(seed), max_stories, seed, rebuild, log,
+                      reason=f"{why}; synthetic stories used")
     if source == "tinystories":
         return _build(TinyStoriesSource(), max_stories, seed, rebuild, log, reason="asked for")
     if source == "synthetic":
@@ -113,17 +122,6 @@ def prepare_corpus(
             f"data source {source!r} is neither auto, tinystories, synthetic nor an existing file"
         )
     return _build(FileSource(path), max_stories, seed, rebuild, log, reason=f"local file {path}")
-
-
-def _prepare_auto(max_stories: int | None, seed: int, rebuild: bool, log) -> Corpus:
-    try:
-        return _build(TinyStoriesSource(), max_stories, seed, rebuild, log, reason="auto: TinyStories was available")
-    except CorpusUnavailable:
-        why = "auto: the Hugging Face hub did not answer (offline?) and TinyStories is not cached here"
-    except Exception as err:  # a partial download, a changed dataset: fall back, loudly
-        why = f"auto: TinyStories failed to load ({type(err).__name__}: {str(err)[:120]})"
-    log(f"{why}; using the synthetic children's stories instead.")
-    return _build(SyntheticSource(seed), max_stories, seed, rebuild, log, reason=f"{why}; synthetic stories used")
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
@@ -150,17 +148,13 @@ def hub_reachable(timeout: float = 3.0) -> bool:
     worker.start()
     worker.join(timeout)
     if not answered.is_set():
-        _go_offline()
+        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+        for module, names in (("huggingface_hub.constants", ["HF_HUB_OFFLINE"]),
+                              ("datasets.config", ["HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"])):
+            if module in sys.modules:
+                for name in names:
+                    setattr(sys.modules[module], name, True)
     return answered.is_set()
-
-
-def _go_offline() -> None:
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
-    for module, names in (("huggingface_hub.constants", ["HF_HUB_OFFLINE"]), ("datasets.config", ["HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"])):
-        if module in sys.modules:
-            for name in names:
-                setattr(sys.modules[module], name, True)
 
 
 # ----------------------------------------------------------------------------- sources

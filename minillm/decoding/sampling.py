@@ -84,7 +84,7 @@ class SamplingParams:
             (not _is_finite(self.temperature) or self.temperature < 0, f"temperature must be a finite number >= 0, got {_brief(self.temperature)}"),
             (self.top_k is not None and (not _is_int(self.top_k) or not 1 <= self.top_k <= SEED_MAX),
              f"top_k must be an integer in 1..{SEED_MAX} (or 0/None for all), got {_brief(self.top_k)}"),
-            (not _is_number(self.top_p) or not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
+            (not _is_finite(self.top_p) or not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
             (not all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}"),
             (not all(_is_int(t) and t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}"),
             (not isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}"),
@@ -169,14 +169,10 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
-
-
 def _is_finite(x: object) -> bool:
     """A number a float holds: not NaN or infinite, and not an integer too large to convert."""
     try:
-        return _is_number(x) and math.isfinite(float(x))  # type: ignore[arg-type]
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(float(x))
     except OverflowError:
         return False
 
@@ -214,26 +210,18 @@ def sample(
     if not len(params) == len(generators) == logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows of logits, {len(params)} params, {len(generators)} generators")
     tokens = logits.argmax(dim=-1)
-    for group in _sampled_groups(params):
+    # Sampled rows that filter (top-k or top-p) go apart from those that don't: a draw inverts
+    # the CDF in the order the candidates are laid out (vocabulary order, or largest first when
+    # filtering), so that order depends on a row's own settings only, and a seeded row's
+    # uniform number always lands on the same token.
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    for group in ([i for i in sampled if not params[i].filters], [i for i in sampled if params[i].filters]):
         for start in range(0, len(group), SAMPLE_CHUNK_ROWS):
             rows = group[start:start + SAMPLE_CHUNK_ROWS]
             index = torch.tensor(rows, device=logits.device)
             drawn = _sample_rows(logits[index].float(), [params[i] for i in rows], [generators[i] for i in rows])
             tokens[index] = drawn
     return tokens
-
-
-def _sampled_groups(params: list[SamplingParams]) -> list[list[int]]:
-    """The sampled rows, split into those that filter (top-k or top-p) and those that don't.
-
-    A draw inverts the CDF in the order the candidates are laid out (vocabulary order, or
-    largest first when filtering); apart, that order depends on a row's own settings only, so
-    a seeded row's uniform number always lands on the same token.
-    """
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
-    plain = [i for i in sampled if not params[i].filters]
-    filtering = [i for i in sampled if params[i].filters]
-    return [rows for rows in (plain, filtering) if rows]
 
 
 def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -243,11 +231,8 @@ def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     if not params.filters:
         return probs
-    rows, vocab = probs.shape
-    top_k = torch.full((rows, 1), min(params.top_k or vocab, vocab), device=probs.device)
-    top_p = torch.full((rows, 1), params.top_p, device=probs.device)
-    ranked, order = _largest_first(probs, top_k, top_p)  # the sampler's ranking, ties and all
-    kept = torch.zeros_like(probs).scatter_(-1, order, _filter(ranked, top_k, top_p, vocab))
+    ranked, order = _ranked_and_filtered(probs, [params] * probs.shape[0])  # the sampler's own ranking
+    kept = torch.zeros_like(probs).scatter_(-1, order, ranked)
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
@@ -256,19 +241,25 @@ def _sample_rows(
 ) -> torch.Tensor:
     """Temperature, then top-k, then top-p, then one draw per row by inverting its CDF.
 
-    ``logits`` holds rows that all filter or none that do (see :func:`_sampled_groups`).
+    ``logits`` holds rows that all filter or none that do (see :func:`sample`).
     """
-    device, vocab = logits.device, logits.shape[-1]
-    temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
+    temperature = torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
     probs = torch.softmax(logits / temperature, dim=-1)
     order = None
     if params[0].filters:
-        top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=device)[:, None]
-        top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
-        probs, order = _largest_first(probs, top_k, top_p)
-        probs = _filter(probs, top_k, top_p, vocab)
-    picked = _invert_cdf(probs, _uniforms(generators, device))
+        probs, order = _ranked_and_filtered(probs, params)
+    picked = _invert_cdf(probs, _uniforms(generators, logits.device))
     return picked if order is None else order.gather(1, picked[:, None])[:, 0]
+
+
+def _ranked_and_filtered(probs: torch.Tensor,
+                         params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's probabilities largest first, zero outside its top-k and nucleus, with their token ids."""
+    vocab = probs.shape[-1]
+    top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=probs.device)[:, None]
+    top_p = torch.tensor([p.top_p for p in params], device=probs.device)[:, None]
+    ranked, order = _largest_first(probs, top_k, top_p)
+    return _filter(ranked, top_k, top_p, vocab), order
 
 
 def _largest_first(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -169,7 +169,7 @@ class PipelinedEngine(LLMEngine):
         depth = self.config.micro_batches
         while len(self._in_flight) < depth:
             busy = frozenset(c.seq for launched in self._in_flight for c in launched.output.chunks)
-            share = -(-(self.scheduler.num_running + self.scheduler.num_waiting) // depth)
+            share = -(-(len(self.scheduler.running) + self.scheduler.num_waiting) // depth)
             output = self.scheduler.schedule(time.monotonic(), busy=busy, max_seqs=max(1, share))
             if output.is_empty:
                 break

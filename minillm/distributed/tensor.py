@@ -155,7 +155,6 @@ def weights_per_rank(
     ``state`` is a ``GPT`` state dict; without one, a ``GPT(cfg)`` in ``dtype`` is built on
     PyTorch's ``meta`` device (shapes only, no memory), so any shape can be counted.
     """
-    check_tensor_parallel_size(cfg, world_size)
     if state is None:
         with torch.device("meta"):
             state = GPT(cfg).to(dtype).state_dict()

@@ -269,7 +269,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            running=self.scheduler.num_running,
+            running=len(self.scheduler.running),
             waiting=self.scheduler.num_waiting,
             kv_blocks_used=self.allocator.num_used_blocks,
             kv_blocks_total=self.allocator.num_blocks,

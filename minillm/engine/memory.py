@@ -106,13 +106,17 @@ class MemorySplit:
 
     def describe(self) -> str:
         """The banner's line: ``memory budget 512.0 MiB = runtime ... + KV cache ... (N blocks ...)``."""
-        extra = "".join(f" + {name} {mib(n)}" for name, n in
-                        (("allocator slack", self.allocator), ("decode graphs", self.graphs)) if n)
         return (
             f"memory budget {mib(self.budget)} = runtime {mib(self.runtime)} + weights {mib(self.weights)} + "
-            f"activations peak {mib(self.activations)}{extra} + "
+            f"activations peak {mib(self.activations)}{_optional_parts(' + ', self.allocator, self.graphs)} + "
             + describe_cache(self.kv_cache, self.blocks, self.block_size, self.context_length)
         )
+
+
+def _optional_parts(separator: str, allocator: int, graphs: int) -> str:
+    """The parts most budgets lack, named only when present."""
+    return "".join(f"{separator}{name} {mib(n)}" for name, n in
+                   (("allocator slack", allocator), ("decode graphs", graphs)) if n)
 
 
 def plan(budget: int, *, runtime: int, weights: int, activations: int, allocator: int, graphs: int,
@@ -127,8 +131,7 @@ def plan(budget: int, *, runtime: int, weights: int, activations: int, allocator
     need = -(-context_length // block_size)
     if blocks < need:
         one_sequence = (need + 1) * block_bytes
-        extra = "".join(f", {name} {mib(n)}" for name, n in
-                        (("allocator slack", allocator), ("decode graphs", graphs)) if n)
+        extra = _optional_parts(", ", allocator, graphs)
         raise MemoryBudgetError(
             f"memory budget {mib(budget)} is {mib(rest + one_sequence - budget)} short: it must hold runtime "
             f"{mib(runtime)}, weights {mib(weights)}, activations peak {mib(activations)}{extra} and a KV cache "
@@ -155,18 +158,6 @@ def _proc_status(field: str) -> int:
     with open(_PROC_STATUS) as f:
         text = f.read()
     return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE).group(1)) * 1024
-
-
-def check_measurable(device: torch.device) -> None:
-    """A :class:`MemoryBudgetError` unless memory on ``device`` can be measured: CUDA, or a
-    CPU under Linux, whose ``/proc/self/clear_refs`` resets the resident high-water mark."""
-    if device.type == "cuda":
-        return
-    if device.type != "cpu" or not os.access(_CLEAR_REFS, os.W_OK):
-        raise MemoryBudgetError(
-            f"memory budget: memory is measured on CUDA and on a Linux CPU, not on {device.type} here; "
-            "size the cache alone with kv_cache_memory"
-        )
 
 
 def resident_bytes(device: torch.device) -> int:
@@ -273,7 +264,12 @@ def measure(model: GPT, budget: str | int, *, block_size: int, max_num_seqs: int
     CPU server stays eager by default.
     """
     device = model.device
-    check_measurable(device)
+    # Measurable on CUDA, or on a Linux CPU, whose /proc/self/clear_refs resets the resident high-water mark.
+    if device.type != "cuda" and (device.type != "cpu" or not os.access(_CLEAR_REFS, os.W_OK)):
+        raise MemoryBudgetError(
+            f"memory budget: memory is measured on CUDA and on a Linux CPU, not on {device.type} here; "
+            "size the cache alone with kv_cache_memory"
+        )
     budget = parse_memory(budget)
     weights = weight_bytes(model)
     resident, outside = resident_bytes(device), _outside_allocator(device)

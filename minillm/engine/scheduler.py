@@ -318,9 +318,5 @@ class Scheduler:
         return [seq.request_id for seq in self.waiting if seq.status is SequenceStatus.WAITING]
 
     @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
     def num_waiting(self) -> int:
         return len(self.waiting)

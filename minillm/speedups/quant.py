@@ -149,14 +149,6 @@ def _aten_int4_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return (raw >> shift[inner][:, None]) & 0xF
 
 
-def _aten_int4_all_rows(packed: torch.Tensor) -> torch.Tensor:
-    """Every row of the nibble matrix in aten's layout (the padding rows included), tile by tile."""
-    block, byte, shift = _aten_int4_tile()
-    tiles = packed.view(packed.shape[0] // block, packed.shape[1] * 2, block // 2)
-    nibbles = (tiles[:, :, byte] >> shift) & 0xF  # [tile, in, row within the tile]
-    return nibbles.transpose(1, 2).reshape(packed.shape[0], -1)
-
-
 @functools.lru_cache(maxsize=None)
 def _aten_int4_layout_ok() -> bool:
     tile = _aten_int4_tile()
@@ -165,7 +157,7 @@ def _aten_int4_layout_ok() -> bool:
     nibbles = torch.randint(0, 16, (3 * tile[0], 64), generator=torch.Generator().manual_seed(0))
     rows = torch.randperm(nibbles.shape[0], generator=torch.Generator().manual_seed(1))
     packed, expected = _to_aten_int4(nibbles), nibbles.to(torch.uint8)
-    return torch.equal(_aten_int4_rows(packed, rows), expected[rows]) and torch.equal(_aten_int4_all_rows(packed), expected)
+    return torch.equal(_aten_int4_rows(packed, rows), expected[rows])
 
 
 # ----------------------------------------------------------------------------- which kernel
@@ -191,12 +183,7 @@ def fused_kernel_works(scheme: str, device_type: str, group_size: int = DEFAULT_
         return False
 
 
-KERNEL_NAMES = {
-    ("int8", "fused"): "aten._weight_int8pack_mm",
-    ("int4", "fused"): "aten._weight_int4pack_mm_for_cpu",
-    ("int8", "dequantize"): "dequantize on the fly + matmul",
-    ("int4", "dequantize"): "dequantize on the fly + matmul",
-}
+FUSED_KERNELS = {"int8": "aten._weight_int8pack_mm", "int4": "aten._weight_int4pack_mm_for_cpu"}
 
 
 # ----------------------------------------------------------------------------- the modules
@@ -236,7 +223,7 @@ class QuantLinear(nn.Module):
             if kernel == "fused":
                 qweight = _to_aten_int4(unpack_int4(qweight))
                 rows = qweight.shape[0]
-                scales = torch.nn.functional.pad(scales, (0, 0, 0, rows - out_features), value=1.0)
+                scales = F.pad(scales, (0, 0, 0, rows - out_features), value=1.0)
                 scales = torch.stack([scales.T, torch.zeros_like(scales.T)], dim=-1).contiguous()
         bias = None if bias is None else bias.detach().clone()
         return cls(in_features, out_features, scheme, group_size, kernel, qweight, scales.to(dtype), bias)
@@ -260,17 +247,12 @@ class QuantLinear(nn.Module):
         rebuilding the whole matrix."""
         ints, scales = self.nibbles_or_ints(rows), self.row_scales()[rows]
         if self.scheme == "int8":
-            return ints.to(scales.dtype) * scales[:, None]
+            return dequantize_int8(ints, scales)
         return _nibbles_to_float(ints, scales, self.group_size)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The whole float matrix ``[out, in]`` that the integers stand for."""
-        scales = self.row_scales()
-        if self.scheme == "int8":
-            return dequantize_int8(self.qweight, scales)
-        if self.kernel == "fused":
-            return _nibbles_to_float(_aten_int4_all_rows(self.qweight)[: self.out_features], scales, self.group_size)
-        return dequantize_int4(self.qweight, scales, self.group_size)
+        return self.weight_rows(torch.arange(self.out_features, device=self.qweight.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -292,7 +274,7 @@ class QuantLinear(nn.Module):
 
     @property
     def kernel_name(self) -> str:
-        return KERNEL_NAMES[self.scheme, self.kernel]
+        return FUSED_KERNELS[self.scheme] if self.kernel == "fused" else "dequantize on the fly + matmul"
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.scheme == "int4" else ""

@@ -139,6 +139,14 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None
     return getattr(torch, cfg.dtype)
 
 
+def mixed_precision(cfg: TrainConfig, device: torch.device):
+    """The autocast dtype (None for plain fp32), its context, and a gradient scaler that
+    scales only for fp16, whose small gradients would otherwise underflow."""
+    amp_dtype = autocast_dtype(cfg, device)
+    amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
+    return amp_dtype, amp, torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+
+
 def cpu_has_bf16_matmul() -> bool:
     """Whether this CPU has bf16 matrix instructions (AVX-512 BF16 or AMX) for oneDNN to use."""
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
@@ -259,9 +267,7 @@ def _train(cfg: TrainConfig, device: torch.device, dist: Dist) -> dict:
         runner = torch.nn.parallel.DistributedDataParallel(runner, device_ids=[device.index] if device.type == "cuda" else None)
     sampler = BatchSampler(corpus.tokens("train"), cfg.batch_size, cfg.seq_len, seed=cfg.seed,
                            rank=dist.rank, world_size=dist.world_size, device=device)
-    amp_dtype = autocast_dtype(cfg, device)
-    amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    amp_dtype, amp, scaler = mixed_precision(cfg, device)
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * dist.world_size
     flops_per_step = training_flops_per_token(model_cfg, cfg.seq_len) * tokens_per_step
     # MFU's denominator: the measured matmul peak of the dtype the step's matrix products use
@@ -269,8 +275,12 @@ def _train(cfg: TrainConfig, device: torch.device, dist: Dist) -> dict:
     matmul_dtype = amp_dtype or torch.float32
     peak = matmul_peak(device, matmul_dtype) * dist.world_size
     peak_name = dtype_name(matmul_dtype)
-    bar = _progress(cfg, dist, step)
-    if bar is not None:
+    bar = None
+    if cfg.progress and dist.main:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.max_steps, initial=step, desc=f"training {cfg.preset}", unit="step",
+                   dynamic_ncols=True)
         bar.write(f"mfu = model FLOPs per second / this machine's measured {peak_name} "
                   f"matmul peak ({peak / 1e9:,.0f} GFLOP/s)")
     last = {}
@@ -369,22 +379,12 @@ def measure_throughput(
     model = GPT(model_cfg).to(device).train()
     runner = torch.compile(model) if compile else model
     optimizer = make_optimizer(model, cfg)
-    amp_dtype = autocast_dtype(cfg, device)
-    amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    _, amp, scaler = mixed_precision(cfg, device)
     x = torch.randint(model_cfg.vocab_size, (batch_size, seq_len + 1), device=device)
     batch = [(x[:, :-1], x[:, 1:])]
     seconds = median_seconds(lambda: train_step(runner, optimizer, scaler, amp, batch, cfg.grad_clip),
                              device, steps, clock=clock)
     return batch_size * seq_len / seconds
-
-
-def _progress(cfg: TrainConfig, dist: Dist, step: int):
-    if not (cfg.progress and dist.main):
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=cfg.max_steps, initial=step, desc=f"training {cfg.preset}", unit="step", dynamic_ncols=True)
 
 
 def _log(bar, m: dict) -> None:
