@@ -161,3 +161,33 @@ def test_the_extras_benchmark_times_each_extra_on_the_rows_it_says(tmp_path, cap
     assert "json_schema, 32/32" in capsys.readouterr().out
     with pytest.raises(UsageError, match="--rounds"):
         main(["extras", "--preset", "tiny", "--rounds", "0"])
+
+
+def test_the_host_fit_recovers_a_line_per_method() -> None:
+    from minillm.bench.host import fit
+
+    rows = [{"method": m, "batch": b, "step_us": fixed + per * b}
+            for m, fixed, per in (("eager", 300.0, 15.0), ("captured", 100.0, 5.0)) for b in (1, 8, 64)]
+    fits = fit(rows)
+    assert fits["eager"] == pytest.approx({"fixed_us": 300.0, "per_sequence_us": 15.0})
+    assert fits["captured"] == pytest.approx({"fixed_us": 100.0, "per_sequence_us": 5.0})
+
+
+def test_the_host_benchmark_accounts_for_each_step_and_saves_its_report(tmp_path, capsys) -> None:
+    """Each point's phases (other Python included) add up to the timed steps, so none is lost,
+    and a step's wall time is about that sum; the report and its figure are saved."""
+    assert main(["host", "--batches", "1,4", "--methods", "eager", "--steps", "4", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "host-cpu.json").read_text())
+    assert (tmp_path / "host-cpu.png").stat().st_size > 0
+    assert [(r["method"], r["batch"]) for r in report["rows"]] == [("eager", 1), ("eager", 4)]
+    for row in report["rows"]:
+        phases = row["phases_us"]
+        assert {"schedule", "step tensors", "forward", "sampling", "bookkeeping", "other Python"} <= set(phases)
+        assert all(v >= 0 for v in phases.values()) and phases["forward"] > 0
+        assert 0.2 < sum(phases.values()) / row["step_us"] < 5  # the same steps, timed two ways
+    assert set(report["fits"]) == {"eager"} and "fit, eager" in capsys.readouterr().out
+
+
+def test_the_host_benchmark_names_a_bad_flag() -> None:
+    with pytest.raises(UsageError, match="--methods"):
+        main(["host", "--methods", "eager,fast"])

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Callable
 
+from minillm.cli import UsageError
 from minillm.settings import project_root
 
 OPTIONS = {  # flag -> add_argument options, for the flags several benchmarks take
@@ -133,3 +134,13 @@ def local_server(command: list[str], port: int, log: IO[str], *, name: str, time
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+def parse_batches(text: str) -> list[int]:
+    try:
+        batches = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise UsageError(f"batch sizes look like 1,8,32, not {text!r}") from None
+    if not batches or min(batches) < 1:
+        raise UsageError(f"batch sizes must be at least 1, got {text!r}")
+    return batches

@@ -7,13 +7,14 @@ from typing import Sequence
 
 import torch
 
-from minillm.bench import add_options, pyplot, results_dir, save_figure, save_report
+from minillm.bench import add_options, parse_batches, pyplot, results_dir, save_figure, save_report
 from minillm.bench import attention as attention_bench
 from minillm.bench import decode as decode_bench
 from minillm.bench import profile as profile_bench
 from minillm.bench import engine as eb
 from minillm.bench import extras as extras_bench
 from minillm.bench import gpu_check
+from minillm.bench import host as host_bench
 from minillm.bench import quant as quant_bench
 from minillm.bench import speculative as speculative_bench
 from minillm.bench import training as training_bench
@@ -65,6 +66,7 @@ def build_parser() -> ArgumentParser:
     speculative_bench.add_arguments(sub.add_parser("speculative", help="speculative decoding: acceptance and speedup vs k"))
     quant_bench.add_arguments(sub.add_parser("quant", help="fp32, bf16, fp16, int8, int4: bytes, speed, quality"))
     extras_bench.add_arguments(sub.add_parser("extras", help="what penalties, logprobs and a JSON Schema cost a batch of 32"))
+    host_bench.add_arguments(sub.add_parser("host", help="a decode step's host work, by phase, around a probe model"))
     gpu_check.add_arguments(sub.add_parser("gpu-check", help="every CUDA path run and measured, in a bounded run"))
     t = sub.add_parser("training", help="a training step profiled; plain vs fused loss vs fused AdamW")
     add_options(t, "--preset", "--dtypes", "--repeats", "--out", preset="cpu", repeats=5)
@@ -83,16 +85,6 @@ def bench_training(args, out: Path) -> Path:
     report = training_bench.run(args.preset, batch_size=args.batch_size, seq_len=args.seq_len, dtypes=dtypes,
                                 repeats=args.repeats)
     return save_report(report, out / f"training-{args.preset}.json", training_bench.plot)
-
-
-def parse_batches(text: str) -> list[int]:
-    try:
-        batches = [int(b) for b in text.split(",")]
-    except ValueError:
-        raise UsageError(f"batch sizes look like 1,8,32, not {text!r}") from None
-    if not batches or min(batches) < 1:
-        raise UsageError(f"batch sizes must be at least 1, got {text!r}")
-    return batches
 
 
 def parse_dtypes(text: str, device: torch.device) -> list[torch.dtype]:
@@ -242,7 +234,8 @@ def bench_attention(args, out: Path) -> Path:
 
 RUNNERS = {"engine": bench_engine, "decode": bench_decode, "profile": bench_profile, "training": bench_training,
            "attention": bench_attention, "speculative": speculative_bench.run_from_args,
-           "quant": quant_bench.run_from_args, "extras": extras_bench.run_from_args}
+           "quant": quant_bench.run_from_args, "extras": extras_bench.run_from_args,
+           "host": host_bench.run_from_args}
 
 
 if __name__ == "__main__":
