@@ -175,8 +175,10 @@ def test_the_host_fit_recovers_a_line_per_method() -> None:
 
 def test_the_host_benchmark_accounts_for_each_step_and_saves_its_report(tmp_path, capsys) -> None:
     """Each point's phases (other Python included) add up to the timed steps, so none is lost,
-    and a step's wall time is about that sum; the report and its figure are saved."""
-    assert main(["host", "--batches", "1,4", "--methods", "eager", "--steps", "4", "--out", str(tmp_path)]) == 0
+    and a step's wall time is about that sum; the served probe streams every token it was asked
+    for (a time per token is measured from them); the report and its figure are saved."""
+    assert main(["host", "--batches", "1,4", "--methods", "eager", "--steps", "4", "--server", "2",
+                 "--tokens", "6", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "host-cpu.json").read_text())
     assert (tmp_path / "host-cpu.png").stat().st_size > 0
     assert [(r["method"], r["batch"]) for r in report["rows"]] == [("eager", 1), ("eager", 4)]
@@ -186,6 +188,8 @@ def test_the_host_benchmark_accounts_for_each_step_and_saves_its_report(tmp_path
         assert all(v >= 0 for v in phases.values()) and phases["forward"] > 0
         assert 0.2 < sum(phases.values()) / row["step_us"] < 5  # the same steps, timed two ways
     assert set(report["fits"]) == {"eager"} and "fit, eager" in capsys.readouterr().out
+    [served] = report["server"]
+    assert served["batch"] == 2 and 0 < served["tpot_us"] < 1e6 and report["server_tokens"] == 6
 
 
 def test_the_host_benchmark_names_a_bad_flag() -> None:

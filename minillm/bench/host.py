@@ -9,18 +9,28 @@ at batch 1 to 256, decode steps only, times each phase from outside the engine's
 the profile does), and fits the step's wall time to a fixed cost per step plus a cost per
 sequence: the two numbers the host must shrink, or hide behind the device's work, before a
 small model's step is the roofline's.
+
+With ``--server`` it also serves the probe (``python -m server``, a process of its own, one torch
+thread) and streams ``batch`` requests at once through the OpenAI API: what a client sees per
+output token (TPOT), against the engine's bare step at that batch. The difference is the
+server's share: the engine loop's hand-off, the event loop, JSON and server-sent events.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
 import statistics
+import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-from minillm.bench import add_options, parse_batches, pyplot, save_figure, save_report
+from minillm.bench import add_options, free_port, local_server, parse_batches, pyplot, save_figure, save_report
 from minillm.bench.decode import prompts
 from minillm.bench.engine import prefilled
 from minillm.bench.profile import _instrument
@@ -29,6 +39,7 @@ from minillm.decoding.sampling import SamplingParams
 from minillm.engine.build import build_engine
 from minillm.engine.config import EngineConfig
 from minillm.machine.hardware import Timing, default_device, device_name
+from minillm.model.checkpoint import save_checkpoint
 from minillm.model.config import ModelConfig
 from minillm.model.gpt import GPT
 
@@ -91,9 +102,61 @@ def fit(rows: list[dict]) -> dict[str, dict[str, float]]:
     return fits
 
 
+def server_tpot(batches: list[int], tokens: int, threads: int, rounds: int = 3) -> list[dict]:
+    """Serve the probe eagerly and, per batch, stream ``batch`` greedy requests of ``tokens``
+    tokens at once, ``rounds`` times: the median over requests and rounds of the time per
+    output token after the first, in µs."""
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryFile("w+") as log:
+        model = probe_model(torch.device("cpu"))
+        checkpoint = save_checkpoint(Path(tmp) / "probe.pt", {"model_config": PROBE.to_dict(),
+                                                              "model": model.state_dict()})
+        port = free_port()
+        command = [sys.executable, "-m", "server", "--checkpoint", str(checkpoint), "--port", str(port),
+                   "--enforce-eager", "--max-num-seqs", str(max(batches))]
+        env = os.environ | {"OMP_NUM_THREADS": str(threads)}
+        with local_server(command, port, log, name="the server", timeout=120, env=env) as url:
+            rows = []
+            for batch in batches:
+                asyncio.run(_stream_batch(url, batch, 4))  # warm-up
+                gaps = [g for _ in range(rounds) for g in asyncio.run(_stream_batch(url, batch, tokens))]
+                rows.append({"batch": batch, "tpot_us": statistics.median(gaps) * 1e6})
+                print(f"  server    batch {batch:>3}: {rows[-1]['tpot_us']:7.0f} µs per output token", flush=True)
+            return rows
+
+
+async def _stream_batch(url: str, batch: int, tokens: int) -> list[float]:
+    """``batch`` streamed completions at once; each one's seconds per token after its first."""
+    import aiohttp
+
+    body = {"model": "minillm", "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+    async def one(session: aiohttp.ClientSession, i: int) -> float:
+        prompt = [(7 * i + j) % (PROBE.vocab_size - 1) + 1 for j in range(16)]
+        first = last = None
+        received = 0
+        async with session.post(f"{url}/v1/completions", json=body | {"prompt": prompt}) as response:
+            if response.status != 200:
+                raise RuntimeError(f"the server answered {response.status}: {await response.text()}")
+            async for line in response.content:
+                if line.startswith(b"data: {"):
+                    chunk = json.loads(line[6:])
+                    if chunk["choices"]:  # a token's text (the last chunk holds the usage alone)
+                        last = time.perf_counter()
+                        first = first or last
+                    received = (chunk.get("usage") or {}).get("completion_tokens", received)
+        if received != tokens:
+            raise RuntimeError(f"asked for {tokens} tokens, streamed {received}")
+        return (last - first) / (tokens - 1)
+
+    async with aiohttp.ClientSession() as session:
+        return list(await asyncio.gather(*(one(session, i) for i in range(batch))))
+
+
 def run_host_bench(batches: list[int], methods: list[str], steps: int, threads: int,
-                   device: torch.device) -> dict:
-    """Every (method, batch) of the probe, printed as it goes, and the fits."""
+                   device: torch.device, server_batches: list[int] = (), tokens: int = 64) -> dict:
+    """Every (method, batch) of the probe, printed as it goes, and the fits; then, given
+    ``server_batches``, the probe served and streamed at those batches."""
     torch.set_num_threads(threads)
     model = probe_model(device)
     rows = []
@@ -107,6 +170,9 @@ def run_host_bench(batches: list[int], methods: list[str], steps: int, threads: 
               "probe": PROBE.to_dict(), "steps": steps, "rows": rows, "fits": fit(rows)}
     for method, f in report["fits"].items():
         print(f"  fit, {method}: {f['fixed_us']:.0f} µs per step + {f['per_sequence_us']:.1f} µs per sequence")
+    if server_batches:
+        report["server"] = server_tpot(list(server_batches), tokens, threads)
+        report["server_tokens"] = tokens
     return report
 
 
@@ -126,6 +192,10 @@ def figure(report: dict):
         if f:
             ax.plot(batches, [f["fixed_us"] + f["per_sequence_us"] * b for b in batches], "k--",
                     label=f"{f['fixed_us']:.0f} µs + {f['per_sequence_us']:.1f} µs x batch")
+        served = report.get("server", []) if method == "eager" else []
+        if served:
+            ax.plot([r["batch"] for r in served], [r["tpot_us"] for r in served], "r^", ms=8,
+                    label="through the server (time per output token)")
         ax.set(title=f"{method}: the probe's decode step", xlabel="batch (sequences)", ylabel="µs per step")
         ax.set_xscale("log", base=2)
         ax.legend(fontsize=7, loc="upper left")
@@ -138,6 +208,9 @@ def add_arguments(p) -> None:
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of: {', '.join(METHODS)}")
     p.add_argument("--steps", type=int, default=60, help="decode steps timed per point (and as many per phase)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the probe's forward needs one)")
+    p.add_argument("--server", default=None, metavar="BATCHES",
+                   help="also serve the probe and stream this many requests at once, e.g. 1,8,32")
+    p.add_argument("--tokens", type=int, default=64, help="tokens per streamed request (with --server)")
     add_options(p, "--device", "--out")
 
 
@@ -146,8 +219,9 @@ def run_from_args(args, out: Path) -> Path:
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise UsageError(f"--methods takes {', '.join(METHODS)}, not {args.methods!r}")
-    if args.steps < 2 or args.threads < 1:
-        raise UsageError("--steps must be at least 2 and --threads at least 1")
+    if args.steps < 2 or args.threads < 1 or args.tokens < 2:
+        raise UsageError("--steps and --tokens must be at least 2, --threads at least 1")
     device = torch.device(args.device) if args.device else default_device()
-    report = run_host_bench(parse_batches(args.batches), methods, args.steps, args.threads, device)
+    served = parse_batches(args.server) if args.server else []
+    report = run_host_bench(parse_batches(args.batches), methods, args.steps, args.threads, device, served, args.tokens)
     return save_report(report, out / f"host-{device.type}.json", lambda r, png: save_figure(figure(r), png))
