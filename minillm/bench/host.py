@@ -33,7 +33,7 @@ import torch
 from minillm.bench import add_options, free_port, local_server, parse_batches, pyplot, save_figure, save_report
 from minillm.bench.decode import prompts
 from minillm.bench.engine import prefilled
-from minillm.bench.profile import _instrument
+from minillm.bench.profile import instrument_phases
 from minillm.cli import UsageError
 from minillm.decoding.sampling import SamplingParams
 from minillm.engine.build import build_engine
@@ -74,7 +74,7 @@ def host_step(model: GPT, batch: int, method: str, steps: int = 60) -> dict:
         engine.step()
         walls.append(time.perf_counter() - start)
     seconds: dict[str, float] = defaultdict(float)
-    restore = _instrument(engine, seconds)
+    restore = instrument_phases(engine, seconds)
     try:
         start = time.perf_counter()
         for _ in range(steps):

@@ -69,7 +69,7 @@ def _timed(seconds: dict[str, float], phase: str, fn: Callable) -> Callable:
     return timed
 
 
-def _instrument(engine: LLMEngine, seconds: dict[str, float]) -> Callable[[], None]:
+def instrument_phases(engine: LLMEngine, seconds: dict[str, float]) -> Callable[[], None]:
     """Time the engine's phases into ``seconds``; returns the function that unwraps them."""
     runner, model, graphs = engine.runner, engine.runner.model, engine.graphs
     patches = [
@@ -112,7 +112,7 @@ def profile_decode(model: GPT, batch: int, method: str, steps: int = 10) -> dict
     run(3)  # warm-up
     walls = [run(1) for _ in range(steps)]
     seconds: dict[str, float] = defaultdict(float)
-    restore = _instrument(engine, seconds)
+    restore = instrument_phases(engine, seconds)
     try:
         timed = run(steps)
     finally:
