@@ -177,8 +177,10 @@ def test_the_host_benchmark_accounts_for_each_step_and_saves_its_report(tmp_path
     """Each point's phases (other Python included) add up to the timed steps, so none is lost,
     and a step's wall time is about that sum; the served probe streams every token it was asked
     for (a time per token is measured from them); the report and its figure are saved."""
+    threads = torch.get_num_threads()
     assert main(["host", "--batches", "1,4", "--methods", "eager", "--steps", "4", "--server", "2",
-                 "--tokens", "6", "--out", str(tmp_path)]) == 0
+                 "--tokens", "6", "--threads", "1", "--out", str(tmp_path)]) == 0
+    assert torch.get_num_threads() == threads  # the probe's one thread was this run's only
     report = json.loads((tmp_path / "host-cpu.json").read_text())
     assert (tmp_path / "host-cpu.png").stat().st_size > 0
     assert [(r["method"], r["batch"]) for r in report["rows"]] == [("eager", 1), ("eager", 4)]

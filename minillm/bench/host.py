@@ -157,16 +157,19 @@ def run_host_bench(batches: list[int], methods: list[str], steps: int, threads: 
                    device: torch.device, server_batches: list[int] = (), tokens: int = 64) -> dict:
     """Every (method, batch) of the probe, printed as it goes, and the fits; then, given
     ``server_batches``, the probe served and streamed at those batches."""
+    model, rows, before = probe_model(device), [], torch.get_num_threads()
     torch.set_num_threads(threads)
-    model = probe_model(device)
-    rows = []
-    for method in methods:
-        for batch in batches:
-            row = host_step(model, batch, method, steps)
-            rows.append(row)
-            print(f"  {method:<9} batch {batch:>3}: {row['step_us']:7.0f} µs/step  "
-                  + ", ".join(f"{k} {v:.0f}" for k, v in row["phases_us"].items()), flush=True)
-    report = {"device": device_name(device), "device_type": device.type, "threads": threads,
+    try:
+        for method in methods:
+            for batch in batches:
+                row = host_step(model, batch, method, steps)
+                rows.append(row)
+                print(f"  {method:<9} batch {batch:>3}: {row['step_us']:7.0f} µs/step  "
+                      + ", ".join(f"{k} {v:.0f}" for k, v in row["phases_us"].items()), flush=True)
+        device_label = device_name(device)
+    finally:  # the caller's thread count, whatever happened (a test suite runs on in this process)
+        torch.set_num_threads(before)
+    report = {"device": device_label, "device_type": device.type, "threads": threads,
               "probe": PROBE.to_dict(), "steps": steps, "rows": rows, "fits": fit(rows)}
     for method, f in report["fits"].items():
         print(f"  fit, {method}: {f['fixed_us']:.0f} µs per step + {f['per_sequence_us']:.1f} µs per sequence")
