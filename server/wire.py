@@ -79,7 +79,15 @@ async def write_within(request: Any, response: Any, data: bytes | None, timeout:
     """Write one piece of a streamed ``response`` (None: ``write_eof``), or give up on a client
     that stopped reading: aiohttp's ``write`` waits while the socket's buffers are full, which
     would hold the handler (and a request's KV blocks) for ever. Past ``timeout`` the connection
-    is aborted (closing would wait to flush the same bytes) and ``ConnectionResetError`` raised."""
+    is aborted (closing would wait to flush the same bytes) and ``ConnectionResetError`` raised.
+
+    A write that leaves the socket's buffer under its high-water mark cannot wait, so it goes
+    without the timer (arming one costs about as much as the write itself, once per token)."""
+    transport = request.transport
+    if data is not None and transport is not None and not transport.is_closing():
+        if transport.get_write_buffer_size() + len(data) < transport.get_write_buffer_limits()[1]:
+            await response.write(data)
+            return
     try:
         async with asyncio.timeout(timeout):
             await (response.write_eof() if data is None else response.write(data))

@@ -12,6 +12,8 @@ import json
 import socket
 import time
 
+import pytest
+
 from test_server_live import Live, live_server, model, small_engine  # noqa: F401 (model: fixture)
 
 from minillm.engine.config import EngineConfig
@@ -154,3 +156,56 @@ def test_connections_past_the_cap_get_a_503_and_the_server_stays_up(model: GPT) 
 
     with live_server(small_engine(model), max_connections=3) as live:
         run(main(live))
+
+
+class _Transport:
+    """A socket's transport with ``buffered`` bytes not yet sent (high-water mark 100)."""
+
+    def __init__(self, buffered: int) -> None:
+        self.buffered, self.aborted = buffered, False
+
+    def is_closing(self) -> bool:
+        return self.aborted
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return 25, 100
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class _Request:
+    def __init__(self, transport: _Transport) -> None:
+        self.transport = transport
+
+
+class _Response:
+    def __init__(self, blocks: bool) -> None:
+        self.blocks, self.written = blocks, []
+
+    async def write(self, data: bytes) -> None:
+        if self.blocks:
+            await asyncio.sleep(3600)  # a client that stopped reading: the buffer never drains
+        self.written.append(data)
+
+
+def test_a_write_with_room_in_the_buffer_goes_without_a_timer_and_one_that_may_wait_has_one(monkeypatch) -> None:
+    """A token's write arms no timer while the socket's buffer has room (it cannot wait); a write
+    that could wait on a full buffer still gives up on the client after the timeout."""
+    from server import wire
+
+    def no_timer(seconds: float):
+        raise AssertionError("a write that cannot wait armed a timer")
+
+    with monkeypatch.context() as m:
+        m.setattr(wire.asyncio, "timeout", no_timer)
+        response = _Response(blocks=False)
+        asyncio.run(wire.write_within(_Request(_Transport(10)), response, b"data: {}\n\n", timeout=0.05))
+        assert response.written == [b"data: {}\n\n"]
+    transport = _Transport(95)  # 95 + 10 bytes would pass the high-water mark: the write may wait
+    with pytest.raises(ConnectionResetError, match="read nothing"):
+        asyncio.run(wire.write_within(_Request(transport), _Response(blocks=True), b"data: {}\n\n", timeout=0.05))
+    assert transport.aborted
