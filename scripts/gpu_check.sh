@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The book on a real GPU, in one bounded run (issue 22): bash scripts/gpu_check.sh OUT_DIR [--dry-run] [--budget-s N]
+# The book on a real GPU, in one bounded run: bash scripts/gpu_check.sh OUT_DIR [--dry-run] [--budget-s N]
 #
 # On the GPU machine (an H200 with its own Python 3.12, torch 2.11 and triton 3.6, no network and
-# no package index), through the device tool's `run`, from the repository root:
-#     carry: [".whl"]   timeout_s: 540   command: bash scripts/gpu_check.sh $OUT
-# (prefix MINILLM_COMMIT=<git rev-parse HEAD> to record the commit: the copy sent there has no .git).
+# no package index), from the root of a copy of the repository that carries .whl/ (below):
+#     bash scripts/gpu_check.sh OUT    (give it 9 minutes)
+# (prefix MINILLM_COMMIT=<git rev-parse HEAD> to record the commit when the copy has no .git).
 # What it needs beyond that machine's packages travels as wheels in the git-ignored .whl/ folder:
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

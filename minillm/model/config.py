@@ -51,7 +51,7 @@ PRESETS: dict[str, ModelConfig] = {
     # the lever that makes a draft cheap is d_model (a third of cpu's: a third of the bytes),
     # not its layer count. 3.3M parameters, 97% of them the tied embedding.
     "draft": ModelConfig(context_length=256, d_model=64, n_layers=2, n_heads=4),
-    # The seed's model, for a GPU: 51M parameters, half of them the tied embedding.
+    # The book's model for a GPU: 51M parameters, half of them the tied embedding.
     "tinystories-50m": ModelConfig(context_length=512, d_model=512, n_layers=8, n_heads=8),
 }
 
