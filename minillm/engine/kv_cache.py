@@ -95,7 +95,8 @@ class PagedKVPool:
 
 
 def gather_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                            lengths: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+                            lengths: torch.Tensor, scratch: torch.Tensor | None = None,
+                            mask: torch.Tensor | None = None) -> torch.Tensor:
     """One query per row over its cached keys and values, the eager and the captured decode
     alike: gather the rows' blocks side by side (one ``index_select`` each for keys and values),
     mask each row past its length, one fused attention call.
@@ -104,7 +105,8 @@ def gather_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     block_size, heads, head_dim]``; ``tables`` ``[B, W]`` block ids, padded past each row's
     blocks (:meth:`PagedKVPool.table_row`); ``lengths`` ``[B]``, each row's positions including
     the new one's. ``scratch`` (:meth:`PagedKVPool.scratch`) is gathered into when given; a
-    captured step gathers into memory of its own, whose address a replay can rely on.
+    captured step gathers into memory of its own, whose address a replay can rely on. ``mask``
+    (:func:`decode_mask`) is the same for every layer of a step: the eager path builds it once.
     Returns ``[B, heads, head_dim]``."""
     b, width = tables.shape
     nb, bs, h, d = k_pool.shape
@@ -115,8 +117,13 @@ def gather_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     blocks = tables.reshape(-1)
     keys = torch.index_select(k_pool.view(nb, row), 0, blocks, out=k_rows).view(b, width * bs, h, d).transpose(1, 2)
     values = torch.index_select(v_pool.view(nb, row), 0, blocks, out=v_rows).view(b, width * bs, h, d).transpose(1, 2)
-    mask = torch.arange(width * bs, device=q.device) < lengths[:, None]
-    return F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask[:, None, None, :])[:, :, 0]
+    mask = decode_mask(lengths, width * bs) if mask is None else mask
+    return F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask)[:, :, 0]
+
+
+def decode_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """``[B, 1, 1, width]``: True where a row's gathered position is one of its ``lengths``."""
+    return (torch.arange(width, device=lengths.device) < lengths[:, None])[:, None, None, :]
 
 
 def loop_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
@@ -154,6 +161,7 @@ class DecodeGroup:
     end: int
     tables: torch.Tensor
     lengths: torch.Tensor
+    mask: torch.Tensor | None = None  # decode_mask, built once per step by PagedAttention
 
 
 class PagedAttention:
@@ -177,6 +185,9 @@ class PagedAttention:
             raise ValueError(f"attention must be 'torch', 'torch-loop' or AttentionKernels, got {backend!r}")
         self.pool, self.slot_mapping, self.decodes, self.prefills = pool, slot_mapping, decodes, prefills
         self.backend = backend
+        if backend == "torch":  # every layer masks the same positions: once a step, not once a layer
+            for group in decodes:
+                group.mask = decode_mask(group.lengths, group.tables.shape[1] * pool.block_size)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_slots, v_slots = self.pool.slots(layer)
@@ -199,7 +210,7 @@ class PagedAttention:
         head_dim]``, one query per sequence of the group; returns the same shape."""
         args = (q.transpose(0, 1), self.pool.k[layer], self.pool.v[layer], group.tables, group.lengths)
         if self.backend == "torch":
-            out = gather_decode_attention(*args, scratch=self.pool.scratch(group.tables.numel()))
+            out = gather_decode_attention(*args, scratch=self.pool.scratch(group.tables.numel()), mask=group.mask)
         elif self.backend == "torch-loop":
             out = loop_decode_attention(*args)
         else:
