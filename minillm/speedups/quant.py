@@ -140,6 +140,15 @@ def _to_aten_int4(nibbles: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(padded, 1)
 
 
+def _aten_int4_all_rows(packed: torch.Tensor) -> torch.Tensor:
+    """Every row of the nibble matrix in aten's layout (the padding rows included), tile by
+    tile: the whole matrix a forward needs, without gathering it row by row."""
+    block, byte, shift = _aten_int4_tile()
+    tiles = packed.view(packed.shape[0] // block, packed.shape[1] * 2, block // 2)
+    nibbles = (tiles[:, :, byte] >> shift) & 0xF  # [tile, in, row within the tile]
+    return nibbles.transpose(1, 2).reshape(packed.shape[0], -1)
+
+
 def _aten_int4_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Rows ``rows`` of the nibble matrix held in aten's tiled layout, as uint8 ``[len(rows), in]``."""
     block, byte, shift = _aten_int4_tile()
@@ -234,25 +243,31 @@ class QuantLinear(nn.Module):
             return self.scales[..., 0].T[: self.out_features]
         return self.scales
 
-    def nibbles_or_ints(self, rows: torch.Tensor) -> torch.Tensor:
-        """The stored integers of ``rows``: int8 values, or int4 nibbles (``q + 8``)."""
+    def nibbles_or_ints(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The stored integers of ``rows`` (all of them, by default): int8 values, or int4
+        nibbles (``q + 8``)."""
+        every = slice(None) if rows is None else rows
         if self.scheme == "int8":
-            return self.qweight[rows]
+            return self.qweight[every]
         if self.kernel == "fused":
+            if rows is None:
+                return _aten_int4_all_rows(self.qweight)[: self.out_features]
             return _aten_int4_rows(self.qweight, rows)
-        return unpack_int4(self.qweight[rows])
+        return unpack_int4(self.qweight[every])
 
-    def weight_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Dequantized rows ``[len(rows), in]``: what an embedding lookup needs, without
-        rebuilding the whole matrix."""
-        ints, scales = self.nibbles_or_ints(rows), self.row_scales()[rows]
+    def weight_rows(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Dequantized rows ``[len(rows), in]`` (the whole matrix, by default): an embedding
+        lookup reads its rows without rebuilding the matrix, and a whole matrix is read with
+        views, not gathered row by row."""
+        ints = self.nibbles_or_ints(rows)
+        scales = self.row_scales() if rows is None else self.row_scales()[rows]
         if self.scheme == "int8":
             return dequantize_int8(ints, scales)
         return _nibbles_to_float(ints, scales, self.group_size)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The whole float matrix ``[out, in]`` that the integers stand for."""
-        return self.weight_rows(torch.arange(self.out_features, device=self.qweight.device))
+        return self.weight_rows()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
