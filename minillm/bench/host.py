@@ -25,27 +25,22 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 from minillm.bench import add_options, free_port, local_server, parse_batches, pyplot, save_figure, save_report
-from minillm.bench.decode import prompts
-from minillm.bench.engine import prefilled
-from minillm.bench.profile import instrument_phases
+from minillm.bench.decode import ENGINES
+from minillm.bench.profile import decoding_engine, phase_times
 from minillm.cli import UsageError
-from minillm.decoding.sampling import SamplingParams
-from minillm.engine.build import build_engine
-from minillm.engine.config import EngineConfig
-from minillm.machine.hardware import Timing, default_device, device_name
+from minillm.machine.hardware import default_device, device_name
 from minillm.model.checkpoint import save_checkpoint
 from minillm.model.config import ModelConfig
 from minillm.model.gpt import GPT
 
 PROBE = ModelConfig(vocab_size=512, context_length=1024, d_model=16, n_layers=1, n_heads=1)
 BATCHES = (1, 8, 32, 64, 128, 256)
-METHODS = {"eager": dict(enforce_eager=True), "captured": dict(enforce_eager=False)}
+METHODS = {"eager": "ours, plain eager", "captured": "ours, captured"}  # short names for ENGINES entries
 
 
 def probe_model(device: torch.device) -> GPT:
@@ -59,34 +54,12 @@ def host_step(model: GPT, batch: int, method: str, steps: int = 60) -> dict:
     """``steps`` decode steps of ``batch`` sequences, run the way ``method`` (a :data:`METHODS`
     name) says: the step's wall time (median and quartiles, microseconds) and the microseconds
     per step of each phase, over as many further steps."""
-    config = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, 16 * batch),
-                          kv_cache_memory="64MiB", **METHODS[method])
-    engine = build_engine(model, config)
-    params = SamplingParams(max_tokens=2 * steps + 16, temperature=0, ignore_eos=True)
-    prefilled(engine, prompts(batch, model.cfg.vocab_size), params)
-    if engine.graphs is not None:
-        engine.graphs.prepare([engine.graphs.bucket(batch)])
-    for _ in range(5):  # warm-up
-        engine.step()
-    walls = []
-    for _ in range(steps):  # each step reads its tokens back, so its wall time includes the device's
-        start = time.perf_counter()
-        engine.step()
-        walls.append(time.perf_counter() - start)
-    seconds: dict[str, float] = defaultdict(float)
-    restore = instrument_phases(engine, seconds)
-    try:
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        timed = time.perf_counter() - start
-    finally:
-        restore()
-    phases = dict(seconds) | {"other Python": max(timed - sum(seconds.values()), 0.0)}
-    wall = Timing.of(walls)
+    options = dict(ENGINES[METHODS[method]], max_num_batched_tokens=max(2048, 16 * batch))
+    engine = decoding_engine(model, batch, options, 2 * steps + 16, kv_cache_memory="64MiB")
+    wall, phases = phase_times(engine, steps)
     return {"method": method, "batch": batch, "step_us": wall.median * 1e6,
             "step_us_quartiles": [wall.q1 * 1e6, wall.q3 * 1e6],
-            "phases_us": {k: v / steps * 1e6 for k, v in phases.items()}}
+            "phases_us": {k: v * 1e6 for k, v in phases.items()}}
 
 
 def fit(rows: list[dict]) -> dict[str, dict[str, float]]:
@@ -149,7 +122,8 @@ async def _stream_batch(url: str, batch: int, tokens: int) -> list[float]:
             raise RuntimeError(f"asked for {tokens} tokens, streamed {received}")
         return (last - first) / (tokens - 1)
 
-    async with aiohttp.ClientSession() as session:
+    # no connection limit: aiohttp would hold all but 100 at once, and measure a smaller batch
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         return list(await asyncio.gather(*(one(session, i) for i in range(batch))))
 
 

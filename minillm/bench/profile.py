@@ -20,7 +20,6 @@ the plain reference, eager with packed weights, and captured
 from __future__ import annotations
 
 import contextlib
-import statistics
 import time
 from collections import defaultdict
 from typing import Callable
@@ -35,6 +34,7 @@ from minillm.engine import model_runner
 from minillm.engine.config import EngineConfig
 from minillm.engine.build import build_engine
 from minillm.engine.llm_engine import LLMEngine
+from minillm.machine.hardware import Timing, time_repeats
 from minillm.model.gpt import GPT
 from minillm.decoding.sampling import SamplingParams
 
@@ -93,44 +93,56 @@ def instrument_phases(engine: LLMEngine, seconds: dict[str, float]) -> Callable[
     return patched.close
 
 
+def decoding_engine(model: GPT, batch: int, options: dict, max_tokens: int, **config) -> LLMEngine:
+    """An engine built with ``options`` (an :data:`ENGINES` entry), holding ``batch`` greedy
+    sequences past their prefill, with its captured bucket for them ready: every step after is
+    a decode step of that batch."""
+    engine = build_engine(model, EngineConfig(max_num_seqs=batch, **(dict(kv_cache_memory="512MiB") | config | options)))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    prefilled(engine, prompts(batch, model.cfg.vocab_size), params)
+    if engine.graphs is not None:
+        engine.graphs.prepare([engine.graphs.bucket(batch)])
+    return engine
+
+
+def phase_times(engine: LLMEngine, steps: int) -> tuple[Timing, dict[str, float]]:
+    """``steps`` steps timed one by one (after three warm-up steps), then as many again with
+    their phases timed: seconds per step in each phase, the Python between them included."""
+    wall = time_repeats(engine.step, engine.model.device, steps, warmup=3)
+    seconds: dict[str, float] = defaultdict(float)
+    restore = instrument_phases(engine, seconds)
+    try:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        timed = time.perf_counter() - start
+    finally:
+        restore()
+    phases = dict(seconds) | {"other Python": max(timed - sum(seconds.values()), 0.0)}
+    return wall, {k: v / steps for k, v in phases.items()}
+
+
 @torch.inference_mode()
 def profile_decode(model: GPT, batch: int, method: str, steps: int = 10) -> dict:
     """Profile ``steps`` decode steps of ``batch`` sequences run the way ``method`` (an
     :data:`ENGINES` name) says: step time, phases, operators."""
-    engine = build_engine(model, EngineConfig(max_num_seqs=batch, kv_cache_memory="512MiB", **ENGINES[method]))
-    params = SamplingParams(max_tokens=3 * steps + 8, temperature=0, ignore_eos=True)
-    prefilled(engine, prompts(batch, model.cfg.vocab_size), params)
-    if engine.graphs is not None:
-        engine.graphs.prepare([engine.graphs.bucket(batch)])
-
-    def run(n: int) -> float:
-        start = time.perf_counter()
-        for _ in range(n):
-            engine.step()
-        return time.perf_counter() - start
-
-    run(3)  # warm-up
-    walls = [run(1) for _ in range(steps)]
-    seconds: dict[str, float] = defaultdict(float)
-    restore = instrument_phases(engine, seconds)
-    try:
-        timed = run(steps)
-    finally:
-        restore()
+    engine = decoding_engine(model, batch, ENGINES[method], 3 * steps + 8)
+    wall, phases = phase_times(engine, steps)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        profiled = run(steps)
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        profiled = time.perf_counter() - start
     kinds: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
         if event.key.startswith(("aten::", "mkldnn::", "minillm::", "quantized::")) or "cpp_fused" in event.key:
             kinds[operator_kind(event.key)] += event.self_cpu_time_total / 1e6
-    phases = dict(seconds)
-    phases["other Python"] = max(timed - sum(phases.values()), 0.0)
-    step = statistics.median(walls)
+    step = sum(phases.values())
     return {
         "batch": batch, "method": method,
-        "step_ms": step * 1e3, "step_ms_spread": [min(walls) * 1e3, max(walls) * 1e3],
-        "tokens_per_s": batch / step,
-        "phases": {k: v / timed for k, v in phases.items()},
+        "step_ms": wall.median * 1e3, "step_ms_quartiles": [wall.q1 * 1e3, wall.q3 * 1e3],
+        "tokens_per_s": batch / wall.median,
+        "phases": {k: v / step for k, v in phases.items()},
         "operators": {k: v / profiled for k, v in sorted(kinds.items())},
     }
 

@@ -8,7 +8,6 @@ loss of :mod:`minillm.model.losses`, PyTorch's fused AdamW) (:func:`compare_step
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from dataclasses import replace
@@ -48,10 +47,9 @@ def _setup(preset: str, batch_size: int, seq_len: int | None, dtype: str, device
     torch.manual_seed(0)
     model = GPT(model_cfg).to(device).train()
     optimizer = T.make_optimizer(model, cfg, fused=fused_optimizer)
-    amp_dtype = T.autocast_dtype(cfg, device)
-    amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
+    _, amp, scaler = T.mixed_precision(cfg, device)  # as training runs: fp16 scales its gradients
     x = torch.randint(model_cfg.vocab_size, (batch_size, (seq_len or model_cfg.context_length) + 1), device=device)
-    return model, optimizer, amp, (x[:, :-1], x[:, 1:])
+    return model, optimizer, amp, scaler, (x[:, :-1], x[:, 1:])
 
 
 def compare_steps(preset: str = "cpu", *, batch_size: int = 8, seq_len: int | None = None, dtype: str = "float32",
@@ -61,9 +59,8 @@ def compare_steps(preset: str = "cpu", *, batch_size: int = 8, seq_len: int | No
     device = device or default_device()
     runs = {}
     for name, (fused_loss, fused_opt) in VARIANTS.items():
-        model, optimizer, amp, batch = _setup(preset, batch_size, seq_len, dtype, device, fused_opt)
+        model, optimizer, amp, scaler, batch = _setup(preset, batch_size, seq_len, dtype, device, fused_opt)
         runner = model if fused_loss else PlainLoss(model)
-        scaler = torch.amp.GradScaler(device.type, enabled=False)
         runs[name] = (lambda r=runner, o=optimizer, a=amp, b=batch, s=scaler: T.train_step(r, o, s, a, [b], 1.0))
     seconds = interleaved_times(runs, device, repeats)
     tokens = batch_size * (seq_len or get_preset(preset).context_length)
@@ -76,7 +73,7 @@ def profile_step(preset: str = "cpu", *, batch_size: int = 8, seq_len: int | Non
     """Median milliseconds of each part of a step. With ``fused`` the output layer's forward
     already computes its gradients (that is the fusion), so its backward holds the blocks' only."""
     device = device or default_device()
-    model, optimizer, amp, (x, y) = _setup(preset, batch_size, seq_len, dtype, device, fused)
+    model, optimizer, amp, _, (x, y) = _setup(preset, batch_size, seq_len, dtype, device, fused)
     parts: dict[str, list[float]] = {"blocks forward": [], "output layer + loss forward": [], "backward": [],
                                      "clip + AdamW": []}
 
