@@ -50,15 +50,17 @@ class Responses:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def _choice(self, index: int, text: str, reason: str | None, logprobs: dict | None, chat: dict) -> dict:
-        """One choice: its text, or for a chat ``chat`` (a message, or a stream's delta)."""
-        part = chat if self.chat else {"text": text}
+    def _choice(self, index: int, part: dict, reason: str | None, logprobs: dict | None) -> dict:
+        """One choice: ``part`` is its ``text``, or for a chat its ``message`` or a stream's ``delta``."""
         return {"index": index, **part, "logprobs": logprobs, "finish_reason": reason}
 
     def full(self, texts: list[str], reasons: list[str | None], counts: dict,
              logprobs: list[dict | None] | None = None) -> dict:
         """The non-streaming answer: every choice's whole text (and logprobs), and the usage."""
-        choices = [self._choice(i, t, r, lp, {"message": {"role": "assistant", "content": t}})
+        def part(text: str) -> dict:
+            return {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+
+        choices = [self._choice(i, part(t), r, lp)
                    for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs or [None] * len(texts)))]
         return {**self._envelope(choices, chunk=False), "usage": counts}
 
@@ -67,8 +69,11 @@ class Responses:
         """One streamed piece of one choice, with its tokens' ``logprobs`` when asked. A chat
         stream opens each choice with the assistant's role, as OpenAI's does; ``usage`` is
         null until the usage chunk."""
-        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        body = self._envelope([self._choice(index, text, finish_reason, logprobs, {"delta": delta})], chunk=True)
+        if self.chat:
+            part = {"delta": {"role": "assistant", "content": text} if first else ({"content": text} if text else {})}
+        else:
+            part = {"text": text}
+        body = self._envelope([self._choice(index, part, finish_reason, logprobs)], chunk=True)
         return {**body, "usage": None} if self.include_usage else body
 
     def usage_chunk(self, counts: dict) -> dict:
