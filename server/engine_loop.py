@@ -283,7 +283,7 @@ class AsyncEngine:
     def _add(self, message: _Add) -> None:
         """Queue all of a request's choices, or none: a full queue or a request the engine
         refuses (one that could never fit in the pool) is answered with an error instead."""
-        if self.engine.stats().waiting >= self.max_queue:
+        if self.engine.num_waiting >= self.max_queue:
             self._outbox.append((message.ids[0], QueueFull(f"{self.max_queue} requests are already waiting")))
             return
         try:

@@ -267,6 +267,12 @@ class LLMEngine:
         """Requests waiting or running."""
         return self.scheduler.has_unfinished
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for a place in the batch: what a server bounds its queue by, read
+        without building a whole :meth:`stats` snapshot."""
+        return self.scheduler.num_waiting
+
     def stats(self) -> EngineStats:
         return EngineStats(
             running=len(self.scheduler.running),
