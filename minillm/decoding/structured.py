@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -70,19 +71,24 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._indexed: Any = None
+        self._indexing = threading.Lock()  # the server's handlers and its engine thread share one compiler
         self._start = functools.lru_cache(maxsize=SCHEMA_CACHE)(self._compile)
 
     @property
     def vocabulary(self) -> Any:
-        """llguidance's index of the tokenizer's tokens (built on first use)."""
-        if self._indexed is None:
-            import llguidance.tiktoken
-
-            encoding = getattr(self.tokenizer, "encoding", None)
-            if encoding is None:
-                raise ValueError("structured output needs a tiktoken tokenizer (this engine's has no .encoding)")
-            self._indexed = llguidance.tiktoken.lltokenizer_from_encoding(encoding, eos_token=self.tokenizer.eot)
+        """llguidance's index of the tokenizer's tokens (built on first use, by one thread)."""
+        with self._indexing:
+            if self._indexed is None:
+                self._indexed = self._index()
         return self._indexed
+
+    def _index(self) -> Any:
+        import llguidance.tiktoken
+
+        encoding = getattr(self.tokenizer, "encoding", None)
+        if encoding is None:
+            raise ValueError("structured output needs a tiktoken tokenizer (this engine's has no .encoding)")
+        return llguidance.tiktoken.lltokenizer_from_encoding(encoding, eos_token=self.tokenizer.eot)
 
     def check(self, schema: object) -> None:
         """Compile ``schema`` (kept for the choices that follow), or raise ``ValueError`` saying
