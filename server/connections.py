@@ -86,7 +86,7 @@ def limit_connections(server: Any, limit: int) -> None:
 @contextlib.asynccontextmanager
 async def running(app: web.Application, host: str = "127.0.0.1", port: int = 0, shutdown_grace: float = 30.0,
                   keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT_S, max_connections: int | None = None,
-                  client_timeout: float = 10.0) -> AsyncIterator[str]:
+                  client_timeout: float = CLIENT_TIMEOUT_S) -> AsyncIterator[str]:
     """Serve ``app`` on the running event loop and yield its URL (``port`` 0: a free one); on
     exit, in-flight requests get ``shutdown_grace`` seconds, then the app is cleaned up. A
     connection must send a request's head within ``keep_alive_timeout``; past
