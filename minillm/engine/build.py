@@ -50,10 +50,10 @@ def build_engine(
     check_options(config, dtype=dtype, quantize=quantize, speculative_draft=speculative_draft,
                   num_speculative_tokens=num_speculative_tokens)
     model = load_weights(model, device)
-    try:
+    try:  # check_options has vetted the dtype and the scheme: what is left is the model's shape
         cast_and_quantize(model, resolve_dtype(dtype), quantize)
     except ValueError as err:
-        raise EngineOptionError("quantize" if quantize is not None else "dtype", str(err)) from None
+        raise EngineOptionError("quantize", str(err)) from None
     speculator = build_speculator(speculative_draft, model, num_speculative_tokens)
     if config.tensor_parallel_size > 1:  # this process becomes rank 0; the other shards run in workers
         from minillm.distributed.tensor_workers import TensorParallelGPT  # spawns processes: only when asked
