@@ -27,6 +27,7 @@ from minillm.engine.memory import weight_bytes
 from minillm.engine.scheduler import ScheduledChunk
 from minillm.model.gpt import GPT
 from minillm.settings import cache_dir
+from minillm.speedups.quant import is_quantized
 
 # Inductor's settings for a CPU decode step: "freezing" makes the weights constants it may lay
 # out for its own kernels; max-autotune with the "CPP" backend times its generated matrix
@@ -52,7 +53,7 @@ def capture_unsupported(model: GPT) -> str | None:
     this path has not been checked with."""
     if not isinstance(model, GPT):
         return "a model split over processes runs its steps eagerly"
-    if any(not t.is_floating_point() for t in model.buffers()):  # packed integer weights
+    if is_quantized(model):
         return "a quantized model runs its steps eagerly"
     return None
 

@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minillm.model.gpt import GPT, TokenEmbedding
+from minillm.speedups.quant import is_quantized
 
 @dataclass
 class PackedWeight:
@@ -163,13 +164,13 @@ class PackedTokenEmbedding(TokenEmbedding):
 
 def packing_unsupported(model: nn.Module) -> str | None:
     """Why ``model`` cannot have packed weights, or None if it can."""
-    if not isinstance(model, GPT) or getattr(model, "world_size", 1) != 1:
+    if not isinstance(model, GPT):  # a split model is not one
         return "only a single-process GPT packs its weights"
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return "weights are packed for float32 on a CPU only"
     if not torch.backends.mkldnn.is_available():
         return "this PyTorch has no oneDNN"
-    if type(model.tok_emb) is not TokenEmbedding or any(not t.is_floating_point() for t in model.buffers()):
+    if is_quantized(model):
         return "a quantized model keeps its own kernels"
     return None
 

@@ -320,6 +320,12 @@ class QuantEmbedding(nn.Module):
 # ----------------------------------------------------------------------------- the whole model
 
 
+def is_quantized(model: nn.Module) -> bool:
+    """Whether any of ``model``'s layers holds integers (:func:`quantize_model` replaced it):
+    the other speed-ups, built for float matrices, leave such a model as it is."""
+    return any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules())
+
+
 def quantize_model(model: nn.Module, scheme: str, group_size: int = DEFAULT_GROUP_SIZE,
                    kernel: str = "auto") -> nn.Module:
     """Replace, in place, every ``nn.Linear`` of ``model`` and its tied ``tok_emb`` with quantized
