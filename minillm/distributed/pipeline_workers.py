@@ -72,22 +72,7 @@ class PendingForward:
     sending: object | None  # that send (None with a single stage)
 
     def wait(self) -> torch.Tensor:
-        owner = self.owner
-        if not owner._in_flight or owner._in_flight[0] is not self:
-            raise RuntimeError("pipelined forwards must be waited for in the order they were launched")
-        owner._in_flight.pop(0)
-        if self.sending is None:
-            return self.output
-        link = owner.local.link
-        try:
-            start = time.perf_counter()
-            self.sending.wait()
-            link.wait_seconds += time.perf_counter() - start
-            shape = (*self.shape, owner.full_cfg.d_model)
-            return link.recv(shape, owner.dtype, owner.device, owner.num_stages - 1)
-        except RuntimeError as err:  # a peer's socket closed under us
-            exits = ", ".join(f"{p.name} exit {p.exitcode}" for p in owner.workers.processes)
-            raise RuntimeError(f"a pipeline stage has exited: {exits} ({err})") from None
+        return self.owner.receive(self)
 
 
 class PipelineParallelGPT(ParallelModel):
@@ -114,6 +99,24 @@ class PipelineParallelGPT(ParallelModel):
         parts = [partial(PipelineStage, model.cfg, layers) for layers in self.layers]
         self._start(model, StageFollower, parts, states, "pipeline stage", option, threads)
         self._in_flight: list[PendingForward] = []
+
+    def receive(self, pending: PendingForward) -> torch.Tensor:
+        """``pending``'s final hidden states, from the last stage (forwards are received in the
+        order they were launched)."""
+        if not self._in_flight or self._in_flight[0] is not pending:
+            raise RuntimeError("pipelined forwards must be waited for in the order they were launched")
+        self._in_flight.pop(0)
+        if pending.sending is None:
+            return pending.output
+        link = self.local.link
+        try:
+            start = time.perf_counter()
+            pending.sending.wait()
+            link.wait_seconds += time.perf_counter() - start
+            return link.recv((*pending.shape, self.full_cfg.d_model), self.dtype, self.device, self.num_stages - 1)
+        except RuntimeError as err:  # a peer's socket closed under us
+            exits = ", ".join(f"{p.name} exit {p.exitcode}" for p in self.workers.processes)
+            raise RuntimeError(f"a pipeline stage has exited: {exits} ({err})") from None
 
     def launch(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                cache: KVCache | None = None) -> PendingForward:
