@@ -106,7 +106,8 @@ def measure_decode_step(
     of ``threads`` threads each, against the unsplit model on ``world_size * threads``
     threads, for each batch size; ``context`` tokens are prefilled first. One row per batch
     size, medians in milliseconds: ``single_ms``, ``tp_ms`` and its parts ``allreduce_ms`` and
-    ``compute_ms`` (rank 0's view: waiting for a slower rank counts as all-reduce time),
+    ``compute_ms`` (rank 0's view, as the engine runs it: rank 0 first sends each step to the
+    workers, so their wait for that message and for a slower rank counts as all-reduce time),
     ``allreduce_share``, ``allreduces_per_step`` (``2 * n_layers``) and ``allreduce_us_each``,
     with the spread of the steps: ``single_q1_ms`` / ``single_q3_ms`` and ``tp_q1_ms`` /
     ``tp_q3_ms``. On a shared CPU the split cannot be faster than one process using the same
