@@ -203,7 +203,8 @@ class LoadRun:
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
             self.info = await server_info(session, self.url)
-            longest = spec.length_range(spec.input_len)[1] + spec.length_range(spec.output_len)[1]
+            prompt_len = max(map(len, spec.fixed_prompts)) if spec.fixed_prompts else spec.length_range(spec.input_len)[1]
+            longest = prompt_len + spec.length_range(spec.output_len)[1]
             if self.info.max_model_len and longest > self.info.max_model_len:
                 raise ValueError(f"the longest prompt + output ({longest} tokens) exceeds the served model's "
                                  f"context of {self.info.max_model_len}; lower --input-len or --output-len")

@@ -180,7 +180,7 @@ async def prefix_sharing(urls: Sequence[str], size: BenchSizes) -> list[dict]:
             async with routed(urls, policy) as (url, _):
                 summary = await LoadRun(size.spec(
                     url, fixed_prompts=shared_prefix_prompts(size, seed), num_prompts=size.prefix_requests,
-                    warmup=0, request_rate=size.prefix_rate, input_len=size.prefix_len + size.suffix_len,
+                    warmup=0, request_rate=size.prefix_rate,
                     output_len=size.prefix_output_len)).run()
             looked_after, found_after, preempted_after = await cache_counts(session, urls)
             hit_rate = (found_after - found) / (looked_after - looked) if looked_after > looked else 0.0
