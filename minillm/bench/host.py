@@ -156,7 +156,7 @@ def run_host_bench(batches: list[int], methods: list[str], steps: int, threads: 
 def figure(report: dict):
     """One panel per method: each phase's microseconds per step, stacked, against the batch,
     with the fitted line over the measured step time."""
-    plt = pyplot()
+    import matplotlib.pyplot as plt  # the caller's backend: a notebook shows it inline
     methods = list(dict.fromkeys(r["method"] for r in report["rows"]))
     fig, axes = plt.subplots(1, len(methods), figsize=(5.5 * len(methods), 4), squeeze=False, sharey=True)
     for ax, method in zip(axes[0], methods):
@@ -201,4 +201,5 @@ def run_from_args(args, out: Path) -> Path:
     device = torch.device(args.device) if args.device else default_device()
     served = parse_batches(args.server) if args.server else []
     report = run_host_bench(parse_batches(args.batches), methods, args.steps, args.threads, device, served, args.tokens)
+    pyplot()  # Agg before the figure: it goes to a file
     return save_report(report, out / f"host-{device.type}.json", lambda r, png: save_figure(figure(r), png))
