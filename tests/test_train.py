@@ -185,9 +185,8 @@ def test_every_version_of_the_step_trains_the_same_weights() -> None:
 
     ends = {}
     for name, (fused_loss, fused_opt) in TB.VARIANTS.items():
-        model, optimizer, amp, batch = TB._setup("tiny", 4, 32, "float32", torch.device("cpu"), fused_opt)
+        model, optimizer, amp, scaler, batch = TB._setup("tiny", 4, 32, "float32", torch.device("cpu"), fused_opt)
         runner = model if fused_loss else TB.PlainLoss(model)
-        scaler = torch.amp.GradScaler("cpu", enabled=False)
         for _ in range(3):
             train_step(runner, optimizer, scaler, amp, [batch], 1.0)
         ends[name] = model.state_dict()
