@@ -54,6 +54,7 @@ class ServerConfig:
     num_speculative_tokens: int = 4
     quantize: str | None = None
     enforce_eager: bool | None = None
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         check(self, [*listener_rules(self), ("stall_timeout", self.stall_timeout > 0, "> 0 seconds"),
@@ -114,6 +115,10 @@ FLAGS: list[tuple[str, Callable[[str], object], str]] = [
                               "steps as captured programs: CUDA graphs, or on a CPU torch.compile (about half a "
                               "minute per batch bucket the first time, cached in .cache/inductor). Default: CUDA "
                               "graphs on a GPU, eager on a CPU"),
+    ("--async-scheduling", bool, "overlap scheduling: prepare each step, and stream the previous step's tokens, "
+                                 "while the model computes (a request that ends is seen one step late, its extra "
+                                 "token dropped); --no-async-scheduling runs one step after another (the reference). "
+                                 "Default: on, except with --speculative-draft or a split model"),
     ("--quantize", str.lower, "int8 | int4: weight-only quantization of the model's matrices (chapter 13); "
                             "activations are then bf16 unless --dtype says otherwise"),
 ]

@@ -178,20 +178,23 @@ def test_the_host_benchmark_accounts_for_each_step_and_saves_its_report(tmp_path
     and a step's wall time is about that sum; the served probe streams every token it was asked
     for (a time per token is measured from them); the report and its figure are saved."""
     threads = torch.get_num_threads()
-    assert main(["host", "--batches", "1,4", "--methods", "eager", "--steps", "4", "--server", "2",
+    assert main(["host", "--batches", "1,4", "--methods", "eager,eager-overlap", "--steps", "4", "--server", "2",
                  "--tokens", "6", "--threads", "1", "--out", str(tmp_path)]) == 0
     assert torch.get_num_threads() == threads  # the probe's one thread was this run's only
     report = json.loads((tmp_path / "host-cpu.json").read_text())
     assert (tmp_path / "host-cpu.png").stat().st_size > 0
-    assert [(r["method"], r["batch"]) for r in report["rows"]] == [("eager", 1), ("eager", 4)]
-    for row in report["rows"]:
+    assert [(r["method"], r["batch"]) for r in report["rows"]] == [
+        ("eager", 1), ("eager", 4), ("eager-overlap", 1), ("eager-overlap", 4)]
+    overlapped = report["rows"][2:]
+    assert all(r["phases_us"] == {} and r["step_us"] > 0 for r in overlapped)  # timed whole: its phases overlap
+    for row in report["rows"][:2]:
         phases = row["phases_us"]
         assert {"schedule", "step tensors", "forward", "sampling", "bookkeeping", "other Python"} <= set(phases)
         assert all(v >= 0 for v in phases.values()) and phases["forward"] > 0
         assert 0.2 < sum(phases.values()) / row["step_us"] < 5  # the same steps, timed two ways
-    assert set(report["fits"]) == {"eager"} and "fit, eager" in capsys.readouterr().out
-    [served] = report["server"]
-    assert served["batch"] == 2 and 0 < served["tpot_us"] < 1e6 and report["server_tokens"] == 6
+    assert set(report["fits"]) == {"eager", "eager-overlap"} and "fit, eager-overlap" in capsys.readouterr().out
+    assert [(r["batch"], r["overlap"]) for r in report["server"]] == [(2, False), (2, True)]
+    assert all(0 < r["tpot_us"] < 1e6 for r in report["server"]) and report["server_tokens"] == 6
 
 
 def test_the_host_benchmark_names_a_bad_flag() -> None:

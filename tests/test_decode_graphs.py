@@ -104,7 +104,8 @@ def test_compiled_decode_gives_the_eager_tokens_through_preemption_and_prefix_hi
 
 def test_padding_rows_write_only_the_pad_block():
     model = _model()
-    engine = build_engine(model, EngineConfig(num_blocks=8, block_size=4, max_num_seqs=4, enforce_eager=False))
+    engine = build_engine(model, EngineConfig(num_blocks=8, block_size=4, max_num_seqs=4, enforce_eager=False,
+                                              async_scheduling=False))  # each step done when step() returns
     for i in range(3):
         engine.add_request(f"r{i}", [5 + i, 6, 7], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     engine.step()  # the three prefills

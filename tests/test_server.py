@@ -72,7 +72,7 @@ async def settled(client: TestClient) -> AsyncEngine:
 
 
 def idle(stats: EngineStats) -> bool:
-    return stats.running + stats.waiting == 0
+    return stats.running + stats.waiting == 0 and not stats.computing
 
 
 async def sse_events(response) -> list:
@@ -353,15 +353,15 @@ def test_a_failing_engine_step_ends_only_its_batch(model: GPT, monkeypatch) -> N
     async def main() -> None:
         async with serving(model, max_num_seqs=1) as client:
             runner = state(client).engine.engine.runner
-            execute, calls, fail_at = runner.execute, [], {5}
+            execute, calls, fail_at = runner.execute_prepared, [], {5}
 
-            def failing(batch):
-                calls.append(batch)
+            def failing(step):
+                calls.append(step)
                 if len(calls) in fail_at:
                     raise RuntimeError("device on fire")
-                return execute(batch)
+                return execute(step)
 
-            monkeypatch.setattr(runner, "execute", failing)
+            monkeypatch.setattr(runner, "execute_prepared", failing)
             alone = await client.post("/v1/completions", json={"prompt": "Once", **GREEDY, "stream": True})
             events = await sse_events(alone)
             assert alone.status == 200 and len(events) >= 3 and events[-1] == "[DONE]"  # some text came first

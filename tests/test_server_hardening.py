@@ -120,8 +120,8 @@ def test_health_is_503_while_a_step_is_wedged_and_200_once_it_returns(model: GPT
             loop_engine = state(client).engine
             now, release = [0.0], threading.Event()
             loop_engine.clock = lambda: now[0]
-            execute = loop_engine.engine.runner.execute
-            monkeypatch.setattr(loop_engine.engine.runner, "execute", lambda batch: release.wait(30) and execute(batch))
+            execute = loop_engine.engine.runner.execute_prepared
+            monkeypatch.setattr(loop_engine.engine.runner, "execute_prepared", lambda step: release.wait(30) and execute(step))
             request = asyncio.create_task(client.post("/v1/completions", json=COMPLETION))
             while loop_engine._step_started is None:  # the wedged step has begun
                 await asyncio.sleep(0.005)

@@ -33,14 +33,16 @@ from minillm.bench import add_options, free_port, local_server, parse_batches, p
 from minillm.bench.decode import ENGINES
 from minillm.bench.profile import decoding_engine, phase_times
 from minillm.cli import UsageError
-from minillm.machine.hardware import default_device, device_name
+from minillm.machine.hardware import Timing, default_device, device_name, synchronize
 from minillm.model.checkpoint import save_checkpoint
 from minillm.model.config import ModelConfig
 from minillm.model.gpt import GPT
 
 PROBE = ModelConfig(vocab_size=512, context_length=1024, d_model=16, n_layers=1, n_heads=1)
 BATCHES = (1, 8, 32, 64, 128, 256)
-METHODS = {"eager": "ours, plain eager", "captured": "ours, captured"}  # short names for ENGINES entries
+# Short names for ENGINES entries, each run serial (its phases timed) and overlapped
+METHODS = {f"{name}{'-overlap' if overlap else ''}": ENGINES[method] | {"async_scheduling": overlap}
+           for overlap in (False, True) for name, method in (("eager", "ours, plain eager"), ("captured", "ours, captured"))}
 
 
 def probe_model(device: torch.device) -> GPT:
@@ -52,14 +54,37 @@ def probe_model(device: torch.device) -> GPT:
 @torch.inference_mode()
 def host_step(model: GPT, batch: int, method: str, steps: int = 60) -> dict:
     """``steps`` decode steps of ``batch`` sequences, run the way ``method`` (a :data:`METHODS`
-    name) says: the step's wall time (median and quartiles, microseconds) and the microseconds
-    per step of each phase, over as many further steps."""
-    options = dict(ENGINES[METHODS[method]], max_num_batched_tokens=max(2048, 16 * batch))
+    name) says: the step's wall time (median and quartiles, microseconds) and, for a serial
+    engine, the microseconds per step of each phase, over as many further steps (an overlapped
+    engine's phases run on two threads at once, so they do not add up to its step)."""
+    options = dict(METHODS[method], max_num_batched_tokens=max(2048, 16 * batch))
     engine = decoding_engine(model, batch, options, 2 * steps + 16, kv_cache_memory="64MiB")
-    wall, phases = phase_times(engine, steps)
+    try:
+        if engine.overlap:
+            wall, phases = _overlapped_timing(engine, steps), {}
+        else:
+            wall, phases = phase_times(engine, steps)
+    finally:
+        engine.close()
     return {"method": method, "batch": batch, "step_us": wall.median * 1e6,
             "step_us_quartiles": [wall.q1 * 1e6, wall.q3 * 1e6],
             "phases_us": {k: v * 1e6 for k, v in phases.items()}}
+
+
+def _overlapped_timing(engine, steps: int, block: int = 10) -> Timing:
+    """Seconds per step of an overlapped engine, timed over blocks of ``block`` steps: waiting
+    for the device after each step, as a per-step timing must, would stop the overlap."""
+    for _ in range(3):
+        engine.step()
+    synchronize(engine.model.device)
+    per_step = []
+    for _ in range(max(2, steps // block)):
+        start = time.perf_counter()
+        for _ in range(block):
+            engine.step()
+        synchronize(engine.model.device)
+        per_step.append((time.perf_counter() - start) / block)
+    return Timing.of(per_step)
 
 
 def fit(rows: list[dict]) -> dict[str, dict[str, float]]:
@@ -75,25 +100,27 @@ def fit(rows: list[dict]) -> dict[str, dict[str, float]]:
     return fits
 
 
-def server_tpot(batches: list[int], tokens: int, threads: int, rounds: int = 3) -> list[dict]:
-    """Serve the probe eagerly and, per batch, stream ``batch`` greedy requests of ``tokens``
-    tokens at once, ``rounds`` times: the median over requests and rounds of the time per
-    output token after the first, in µs."""
+def server_tpot(batches: list[int], tokens: int, threads: int, overlap: bool, rounds: int = 3) -> list[dict]:
+    """Serve the probe eagerly (``overlap``: with overlap scheduling) and, per batch, stream
+    ``batch`` greedy requests of ``tokens`` tokens at once, ``rounds`` times: the median over
+    requests and rounds of the time per output token after the first, in µs."""
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryFile("w+") as log:
         model = probe_model(torch.device("cpu"))
         checkpoint = save_checkpoint(Path(tmp) / "probe.pt", {"model_config": PROBE.to_dict(),
                                                               "model": model.state_dict()})
         port = free_port()
         command = [sys.executable, "-m", "server", "--checkpoint", str(checkpoint), "--port", str(port),
-                   "--enforce-eager", "--max-num-seqs", str(max(batches))]
+                   "--enforce-eager", "--max-num-seqs", str(max(batches)),
+                   "--async-scheduling" if overlap else "--no-async-scheduling"]
         env = os.environ | {"OMP_NUM_THREADS": str(threads)}
         with local_server(command, port, log, name="the server", timeout=120, env=env) as url:
             rows = []
             for batch in batches:
                 asyncio.run(_stream_batch(url, batch, 4))  # warm-up
                 gaps = [g for _ in range(rounds) for g in asyncio.run(_stream_batch(url, batch, tokens))]
-                rows.append({"batch": batch, "tpot_us": statistics.median(gaps) * 1e6})
-                print(f"  server    batch {batch:>3}: {rows[-1]['tpot_us']:7.0f} µs per output token", flush=True)
+                rows.append({"batch": batch, "overlap": overlap, "tpot_us": statistics.median(gaps) * 1e6})
+                print(f"  server{'-overlap' if overlap else '':<9} batch {batch:>3}: {rows[-1]['tpot_us']:7.0f} µs "
+                      "per output token", flush=True)
             return rows
 
 
@@ -148,32 +175,39 @@ def run_host_bench(batches: list[int], methods: list[str], steps: int, threads: 
     for method, f in report["fits"].items():
         print(f"  fit, {method}: {f['fixed_us']:.0f} µs per step + {f['per_sequence_us']:.1f} µs per sequence")
     if server_batches:
-        report["server"] = server_tpot(list(server_batches), tokens, threads)
+        report["server"] = [row for overlap in (False, True)
+                            for row in server_tpot(list(server_batches), tokens, threads, overlap)]
         report["server_tokens"] = tokens
     return report
 
 
 def figure(report: dict):
-    """One panel per method: each phase's microseconds per step, stacked, against the batch,
-    with the fitted line over the measured step time."""
+    """One panel per way of running the step (eager, captured): the serial engine's phases in
+    microseconds per step, stacked, against the batch, its measured step time, the overlapped
+    engine's beside it, and each one's fitted line."""
     import matplotlib.pyplot as plt  # the caller's backend: a notebook shows it inline
-    methods = list(dict.fromkeys(r["method"] for r in report["rows"]))
-    fig, axes = plt.subplots(1, len(methods), figsize=(5.5 * len(methods), 4), squeeze=False, sharey=True)
-    for ax, method in zip(axes[0], methods):
-        rows = [r for r in report["rows"] if r["method"] == method]
-        batches = [r["batch"] for r in rows]
-        phases = list(rows[0]["phases_us"])
-        ax.stackplot(batches, *[[r["phases_us"][p] for r in rows] for p in phases], labels=phases, alpha=0.8)
-        ax.plot(batches, [r["step_us"] for r in rows], "ko", label="step (median)")
-        f = report["fits"].get(method)
-        if f:
-            ax.plot(batches, [f["fixed_us"] + f["per_sequence_us"] * b for b in batches], "k--",
-                    label=f"{f['fixed_us']:.0f} µs + {f['per_sequence_us']:.1f} µs x batch")
-        served = report.get("server", []) if method == "eager" else []
-        if served:
-            ax.plot([r["batch"] for r in served], [r["tpot_us"] for r in served], "r^", ms=8,
-                    label="through the server (time per output token)")
-        ax.set(title=f"{method}: the probe's decode step", xlabel="batch (sequences)", ylabel="µs per step")
+    kinds = list(dict.fromkeys(r["method"].split("-")[0] for r in report["rows"]))
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5.5 * len(kinds), 4), squeeze=False, sharey=True)
+    for ax, kind in zip(axes[0], kinds):
+        for method, marker in ((kind, "ko"), (f"{kind}-overlap", "bs")):
+            rows = [r for r in report["rows"] if r["method"] == method]
+            if not rows:
+                continue
+            batches = [r["batch"] for r in rows]
+            phases = list(rows[0]["phases_us"])
+            if phases:
+                ax.stackplot(batches, *[[r["phases_us"][p] for r in rows] for p in phases], labels=phases, alpha=0.8)
+            ax.plot(batches, [r["step_us"] for r in rows], marker, label=f"{method}: step (median)")
+            f = report["fits"].get(method)
+            if f:
+                ax.plot(batches, [f["fixed_us"] + f["per_sequence_us"] * b for b in batches], marker[0] + "--",
+                        label=f"{f['fixed_us']:.0f} µs + {f['per_sequence_us']:.1f} µs x batch")
+        for overlap, marker in ((False, "r^"), (True, "mv")):
+            served = [r for r in report.get("server", []) if kind == "eager" and r["overlap"] is overlap]
+            if served:
+                ax.plot([r["batch"] for r in served], [r["tpot_us"] for r in served], marker, ms=8,
+                        label=f"through the server{', overlapped' if overlap else ''} (time per output token)")
+        ax.set(title=f"{kind}: the probe's decode step", xlabel="batch (sequences)", ylabel="µs per step")
         ax.set_xscale("log", base=2)
         ax.legend(fontsize=7, loc="upper left")
     fig.suptitle(f"Host work per decode step, {report['device']}", fontsize=10)

@@ -76,12 +76,13 @@ def instrument_phases(engine: LLMEngine, seconds: dict[str, float]) -> Callable[
         (engine.scheduler, "schedule", "schedule"), (engine.scheduler, "postprocess", "bookkeeping"),
         (engine, "_append", "bookkeeping"), (runner, "flatten", "step tensors"),
         (runner, "decode_groups", "step tensors"), (runner, "prefill_chunks", "step tensors"),
-        (model_runner, "_choose", "sampling"),
+        (model_runner, "process_", "sampling"), (model_runner, "sample", "sampling"), (runner, "read", "read back"),
     ]
     if graphs is None:
         patches += [(model, "hidden_states", "forward"), (model, "logits", "LM head")]
     else:  # the model's methods are inside the compiled program: wrapping them would recompile it
-        patches += [(graphs, "fill", "step tensors"), (graphs, "program", "forward + LM head")]
+        patches += [(graphs, "stage", "step tensors"), (graphs, "fill", "step tensors"),
+                    (graphs, "program", "forward + LM head")]
     patched = contextlib.ExitStack()
     for obj, name, phase in patches:
         fn = getattr(obj, name)
@@ -126,7 +127,8 @@ def phase_times(engine: LLMEngine, steps: int) -> tuple[Timing, dict[str, float]
 def profile_decode(model: GPT, batch: int, method: str, steps: int = 10) -> dict:
     """Profile ``steps`` decode steps of ``batch`` sequences run the way ``method`` (an
     :data:`ENGINES` name) says: step time, phases, operators."""
-    engine = decoding_engine(model, batch, ENGINES[method], 3 * steps + 8)
+    # serial steps: the phases of an overlapped one run on two threads at once
+    engine = decoding_engine(model, batch, ENGINES[method] | {"async_scheduling": False}, 3 * steps + 8)
     wall, phases = phase_times(engine, steps)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()

@@ -51,7 +51,8 @@ class IncrementalDetokenizer:
             raise RuntimeError("this detokenizer is finished (a stop string matched or flush() was called)")
         if token_id == self._tokenizer.eot:
             return ""
-        return self._release(self._utf8.decode(self._tokenizer.token_bytes(token_id)), final=False)
+        text = self._utf8.decode(self._tokenizer.token_bytes(token_id))
+        return self._release(text, final=False) if self._stop else text  # no stop string: nothing to hold
 
     def flush(self) -> str:
         """End of generation: release everything held. Bytes of a character that never

@@ -26,7 +26,7 @@ import torch
 from minillm.data.tokenizer import Tokenizer
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine, RequestOutput, Speedups
-from minillm.engine.model_runner import LaunchedStep
+from minillm.engine.model_runner import PreparedStep
 from minillm.model.gpt import GPT, KVCache
 from minillm.distributed.tensor import check_splittable
 from minillm.distributed.workers import Follower, ParallelModel
@@ -166,7 +166,7 @@ class PipelinedEngine(LLMEngine):
     def __init__(self, model: PipelineParallelGPT, config: EngineConfig, tokenizer: Tokenizer | None = None,
                  speedups: Speedups | None = None) -> None:
         super().__init__(model, config, tokenizer, speedups)
-        self._in_flight: deque[LaunchedStep] = deque()  # oldest first
+        self._in_flight: deque[PreparedStep] = deque()  # oldest first
 
     def step(self) -> list[RequestOutput]:
         depth = self.config.micro_batches

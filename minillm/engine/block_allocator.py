@@ -157,9 +157,10 @@ class BlockAllocator:
 
     # ------------------------------------------------------------------ caching and freeing
 
-    def commit(self, seq: Sequence) -> None:
-        """Register the blocks of ``seq`` that are full and computed (after its
-        ``num_computed_tokens`` has been advanced) in the prefix cache.
+    def commit(self, seq: Sequence, num_computed: int | None = None) -> None:
+        """Register the blocks of ``seq`` that are full and computed in the prefix cache: those
+        within its first ``num_computed`` positions (by default ``seq.num_computed_tokens``;
+        the engine passes what a finished step computed, not what later steps are scheduled to).
 
         Blocks get hashes in order, so hashed blocks form a prefix of the table: walk back from
         the last full block to the first one already hashed, then hash forward. If another
@@ -169,7 +170,7 @@ class BlockAllocator:
         if not self.enable_prefix_caching:
             return
         bs, table = self.block_size, seq.block_table
-        end = seq.num_computed_tokens // bs
+        end = (seq.num_computed_tokens if num_computed is None else num_computed) // bs
         start = end
         while start > 0 and table[start - 1] not in self._hash_of:
             start -= 1

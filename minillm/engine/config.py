@@ -60,6 +60,10 @@ class EngineConfig:
     # is given. oneDNN keeps a primitive per batch shape it has run (about 2.6 MB each on the tiny
     # preset), so a packed model grows past any warm-up: it is refused with memory_budget.
     pack_weights: bool | None = None
+    # Overlap scheduling (vLLM's async scheduling): schedule and prepare step N+1, and append
+    # and detokenize step N-1's tokens, while step N computes. None overlaps wherever it can (one
+    # process, no speculative steps); False keeps the serial engine, the reference; True insists.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_BACKENDS:
@@ -73,6 +77,9 @@ class EngineConfig:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise EngineOptionError(name, f"{name} must be >= 1, got {getattr(self, name)}")
         self._check_pipeline()
+        if self.async_scheduling and (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1):
+            raise EngineOptionError("async_scheduling", "async_scheduling=True runs the model in this process; it does "
+                                    "not combine with tensor_parallel_size or pipeline_parallel_size > 1 (not supported)")
         for name in ("kv_cache_memory", "memory_budget"):
             try:
                 if getattr(self, name) is not None:

@@ -17,7 +17,7 @@ from minillm.engine.block_allocator import BlockAllocator
 from minillm.engine.config import EngineConfig
 from minillm.engine.kv_cache import AttentionKernels, PagedKVPool
 from minillm.engine.memory import MemorySplit, measure
-from minillm.engine.model_runner import ChunkOutput, DecodePrograms, ModelRunner
+from minillm.engine.model_runner import ChunkOutput, DecodePrograms, ModelRunner, StepResult
 from minillm.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from minillm.engine.sequence import RequestTimes, Sequence
 from minillm.decoding.logprobs import TokenLogprobs
@@ -67,6 +67,7 @@ class EngineStats:
     prefill_tokens: int  # prompt tokens computed, recomputation after preemption included
     generated_tokens: int
     batch_size: int  # sequences in the latest step's batch (0 before the first)
+    computing: bool = False  # an overlapped step still computing (it may hold finished requests' blocks)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -144,6 +145,9 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.pool, attention, self.graphs)
         self._steps = self._prefill_tokens = self._generated = 0
         self.last_step: SchedulerOutput | None = None  # what the latest step ran, for timelines and dashboards
+        # Overlap scheduling where the model runs in this process (config.async_scheduling)
+        self.overlap = config.async_scheduling is not False and not _split(model)
+        self._computing: tuple[SchedulerOutput, StepResult] | None = None  # the step computing, overlapped
 
     def add_request(
         self,
@@ -179,20 +183,90 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns an output for every request that advanced."""
+        if self.overlap:
+            return self._overlapped_step()
         output = self.scheduler.schedule(time.monotonic())
         self.last_step = output
         if output.is_empty:
             return []
-        produced = self.runner.execute(output)  # if this raises, no sequence has changed
+        try:
+            produced = self.runner.execute(output)
+        except BaseException:
+            self.scheduler.abandon(output)  # so no sequence has changed
+            raise
         return self._finish_step(output, produced)
 
+    def _overlapped_step(self) -> list[RequestOutput]:
+        """Schedule and start step N+1, then append step N's tokens while N+1 computes.
+
+        N+1 is scheduled before N's tokens are known: each sequence's next input is a pending
+        token, which the device copies from N's sampled tokens. So a request that N finishes
+        (an end-of-text token, a stop string) is in N+1 too; its token from N+1 is dropped,
+        and its blocks are freed once N+1 is accounted for. A step with rows whose logits
+        depend on every earlier token (penalties, a schema's grammar) starts only after N's
+        tokens are appended: it overlaps nothing but stays exact."""
+        output = self.scheduler.schedule(time.monotonic())  # if this raises, the step computing stays so
+        previous, self._computing = self._computing, None
+        results: list[RequestOutput] = []
+        if not output.is_empty:
+            self.last_step = output
+            if previous is not None and any(c.samples and _reads_history(c.seq) for c in output.chunks):
+                results, previous = self._collect(previous, output), None
+            try:
+                self._computing = (output, self.runner.submit(self.runner.prepare(output)))
+            except BaseException:
+                self._abandon_after_failure(previous, output)
+                raise
+        if previous is not None:
+            results = self._collect(previous, output if self._computing else None)
+        return results
+
+    def _collect(self, launched: tuple[SchedulerOutput, StepResult],
+                 later: SchedulerOutput | None) -> list[RequestOutput]:
+        """Wait for a step's tokens and append them. If that fails, the step launched ``later``
+        is waited for and undone, and both are ``last_step``."""
+        output, result = launched
+        try:
+            produced = result.wait()
+        except BaseException:
+            self._abandon_after_failure(launched, later)
+            raise
+        try:
+            return self._finish_step(output, produced)
+        except BaseException:  # the step is accounted for (its finished requests freed); the later one is not
+            self._abandon_after_failure(None, later)
+            self.last_step = SchedulerOutput(output.chunks + self.last_step.chunks)
+            raise
+
+    def _abandon_after_failure(self, failed: tuple[SchedulerOutput, StepResult] | None,
+                               later: SchedulerOutput | None) -> None:
+        """Undo the steps not accounted for, newest first, once none is still computing, and
+        name them all ``last_step``: the requests a server must end."""
+        for launched in (failed, self._computing):
+            if launched is not None:
+                try:
+                    launched[1].wait()
+                except BaseException:
+                    pass  # failed: undone below all the same
+        self._computing = None
+        chunks: list[ScheduledChunk] = []
+        if later is not None:
+            self.scheduler.abandon(later)
+            chunks += later.chunks
+        if failed is not None:
+            self.scheduler.abandon(failed[0])
+            chunks = failed[0].chunks + chunks
+        self.last_step = SchedulerOutput(chunks)
+
     def _finish_step(self, output: SchedulerOutput, produced: list[ChunkOutput]) -> list[RequestOutput]:
-        """Append what a step produced to its sequences, then let the scheduler account for it."""
+        """Append what a step produced to its sequences, then let the scheduler account for it.
+        A sequence already finished (aborted while the step ran, or finished by the step
+        before, seen late by an overlapped engine) takes nothing from it."""
         now = time.monotonic()
         results: list[RequestOutput] = []
         try:
             for chunk, made in zip(output.chunks, produced):
-                if chunk.seq.finish_reason is FinishReason.ABORT:  # aborted while its micro-batch ran
+                if chunk.seq.is_finished:
                     continue
                 self._prefill_tokens += 0 if chunk.is_decode else chunk.num_tokens
                 if made.prompt_logprobs:
@@ -257,15 +331,20 @@ class LLMEngine:
         return self.scheduler.queued_request_ids
 
     def close(self) -> None:
-        """Release what outlives the engine's steps: a tensor-parallel model's worker processes."""
+        """Release what outlives the engine's steps: the device thread, a split model's worker
+        processes."""
+        if self._computing is not None:
+            self._computing[1].wait()
+            self._computing = None
+        self.runner.close()
         close = getattr(self.model, "close", None)
         if close is not None:
             close()
 
     @property
     def has_unfinished(self) -> bool:
-        """Requests waiting or running."""
-        return self.scheduler.has_unfinished
+        """Requests waiting or running, or a step still computing (even if only for finished ones)."""
+        return self.scheduler.has_unfinished or self._computing is not None
 
     @property
     def num_waiting(self) -> int:
@@ -286,7 +365,19 @@ class LLMEngine:
             prefill_tokens=self._prefill_tokens,
             generated_tokens=self._generated,
             batch_size=len(self.last_step.chunks) if self.last_step is not None else 0,
+            computing=self._computing is not None,
         )
+
+
+def _split(model: GPT) -> bool:
+    """Whether ``model`` runs over several processes (rank 0 of a tensor or pipeline split)."""
+    return getattr(model, "world_size", 1) > 1 or getattr(model, "num_stages", 1) > 1
+
+
+def _reads_history(seq: Sequence) -> bool:
+    """Whether ``seq``'s next logits depend on its tokens so far (penalties, biases'
+    ``min_tokens``, a schema's grammar), so they cannot be shaped before the last is appended."""
+    return seq.params.adjusts or seq.grammar is not None
 
 
 def _plain_core(config: EngineConfig) -> Speedups:

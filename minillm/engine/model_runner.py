@@ -14,18 +14,18 @@ every other step runs the eager path below, which is the reference.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
 from minillm.engine.kv_cache import AttentionKernels, DecodeGroup, PagedAttention, PagedKVPool, PrefillChunk, slot_of
 from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
-from minillm.engine.sequence import Sequence
 from minillm.decoding.logprobs import TokenLogprobs
 from minillm.model.gpt import GPT
-from minillm.decoding.processors import process_, prompt_logprobs
+from minillm.decoding.processors import Processed, process_, prompt_logprobs
 from minillm.decoding.sampling import sample
 
 
@@ -39,13 +39,38 @@ SCORE_CHUNK_ROWS = 256
 
 
 @dataclass
-class LaunchedStep:
-    """A step whose forward has started: its chunks, decodes first (the order the forward's
-    rows are in), and the hidden states, or for a pipelined model the pending forward."""
+class PreparedStep:
+    """One step laid out by the thread that schedules, ready for the thread that computes.
+
+    Everything read from the sequences (tokens, positions, slots, block tables) is copied into
+    tensors here, so the sequences may change (the next step scheduled, this one's
+    predecessor appended) while the step runs. ``ordered`` is its chunks decodes first (the
+    order of the forward's rows), ``sampling`` the chunks that sample, in that order (the rows
+    of the sampled tokens). A token still pending (sampled by the step before, not yet read
+    back) is a placeholder; ``pending`` says where to copy it from: ``(rows of this step's
+    tokens, rows of the previous step's sampled tokens)``."""
 
     output: SchedulerOutput
     ordered: list[ScheduledChunk]
-    hidden: object  # a tensor, or something whose wait() returns one
+    sampling: list[ScheduledChunk]
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None
+    staged: object | None = None  # for a captured step: what DecodePrograms.stage made
+    tokens: torch.Tensor | None = None  # for an eager step: the flat batch, and its attention
+    positions: torch.Tensor | None = None
+    attention: PagedAttention | None = None
+    last_rows: torch.Tensor | None = None  # the flat row of each sampling chunk's last token
+    hidden: object = None  # once launched eagerly: hidden states, or something whose wait() gives them
+
+
+@dataclass
+class ComputedStep:
+    """A step whose tokens are sampled, still on the device: what :meth:`ModelRunner.read`
+    turns into outputs."""
+
+    prepared: PreparedStep
+    tokens: torch.Tensor  # one sampled token per sampling chunk
+    processed: Processed
+    hidden: torch.Tensor | None  # the forward's rows, for the prompts being scored
 
 
 @dataclass
@@ -59,18 +84,36 @@ class ChunkOutput:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
+@dataclass
+class StepResult:
+    """A submitted step's outputs, once its computation is done: ``wait()`` gives them (or
+    raises what the computation raised)."""
+
+    wait: Callable[[], list[ChunkOutput]]
+
+
 class DecodePrograms(Protocol):
     """Another way to run a step of up to ``max_batch`` decodes than the eager forward (the
-    captured programs of :mod:`minillm.speedups.decode_graphs`): ``run`` returns the rows'
+    captured programs of :mod:`minillm.speedups.decode_graphs`): ``stage`` copies the decodes'
+    inputs out of their sequences (on the scheduling thread); ``run`` loads them, copies the
+    tokens ``pending`` names from ``sampled`` (:class:`PreparedStep`), and returns the rows'
     logits ``[n, vocab]`` (float32) and their argmax ``[n]``."""
 
     max_batch: int
 
-    def run(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def stage(self, decodes: list[ScheduledChunk]) -> object: ...
+
+    def run(self, staged: object, pending: tuple[torch.Tensor, torch.Tensor] | None = None,
+            sampled: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class ModelRunner:
-    """Owns the model and the KV pool's storage; knows nothing about who is waiting."""
+    """Owns the model and the KV pool's storage; knows nothing about who is waiting.
+
+    A step goes through three methods, so that an engine may run them on two threads:
+    :meth:`prepare` (the scheduling thread: copy the step out of its sequences), :meth:`compute`
+    (the device's: forward and sample) and :meth:`read` (the sampled tokens to the host).
+    :meth:`execute` runs all three in turn."""
 
     def __init__(self, model: GPT, pool: PagedKVPool, attention: str | AttentionKernels = "torch",
                  graphs: DecodePrograms | None = None) -> None:
@@ -78,53 +121,140 @@ class ModelRunner:
         self.attention = attention  # PagedAttention's backend
         self.graphs = graphs
         self.device = model.device
+        # the latest prepared step's row of each sampled token, by sequence id (holding no sequence alive)
+        self._sampling_rows: dict[int, int] = {}
+        self._sampled: torch.Tensor | None = None  # the latest computed step's sampled tokens
+        self._device_thread: ThreadPoolExecutor | None = None  # for submit on a CPU
 
-    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> list[ChunkOutput]:
         """Run one step; returns, per chunk in ``output.chunks`` order, what it produced (see
-        the module docstring). If this raises, no sequence has changed."""
-        decodes = sorted((c for c in output.chunks if c.num_tokens == 1), key=lambda c: c.start)
-        prefills = [c for c in output.chunks if c.num_tokens > 1]
-        if self.graphs is not None and not prefills and len(decodes) <= self.graphs.max_batch:
-            logits, greedy = self.graphs.run(decodes)
-            drawn = dict(zip(map(id, decodes), _choose([c.seq for c in decodes], logits, greedy)))
-            return [drawn[id(c)] for c in output.chunks]
-        return self.collect(self.launch(output))
+        the module docstring)."""
+        return self.execute_prepared(self.prepare(output))
+
+    def submit(self, step: PreparedStep) -> StepResult:
+        """Start computing a prepared step and return at once, so the caller can prepare the
+        next one meanwhile; the result's ``wait()`` gives its outputs.
+
+        On a CPU the computation runs on a thread of its own (torch releases the interpreter's
+        lock inside its operators). On a GPU it is simply queued: the kernels run in order on
+        the device while the host goes on, and the sampled tokens come back through a copy
+        queued right behind them, so reading them waits for this step only, not the next."""
+        if self.device.type != "cuda":
+            if self._device_thread is None:
+                self._device_thread = ThreadPoolExecutor(1, thread_name_prefix="minillm-device")
+            return StepResult(self._device_thread.submit(self.execute_prepared, step).result)
+        computed = self.compute(step)
+        computed.tokens = computed.tokens.to("cpu", non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return StepResult(lambda: (done.synchronize(), self.read(computed))[1])
+
+    def execute_prepared(self, step: PreparedStep) -> list[ChunkOutput]:
+        """:meth:`compute` and :meth:`read` a prepared step: the device's half of every step,
+        serial or overlapped (on the device thread)."""
+        return self.read(self.compute(step))
+
+    def close(self) -> None:
+        """Stop the device thread, if :meth:`submit` started one."""
+        if self._device_thread is not None:
+            self._device_thread.shutdown()
+            self._device_thread = None
 
     @torch.inference_mode()
-    def launch(self, output: SchedulerOutput) -> LaunchedStep:
-        """The eager path's first half: lay the step out and start the forward. A pipelined
-        model (:class:`~minillm.distributed.pipeline_workers.PipelineParallelGPT`) returns before its later
-        stages finish, so the engine can launch the next micro-batch; any other model runs
-        the whole forward here. :meth:`collect` finishes the step."""
+    def launch(self, output: SchedulerOutput) -> PreparedStep:
+        """Prepare an eager step and start its forward. A pipelined model
+        (:class:`~minillm.distributed.pipeline_workers.PipelineParallelGPT`) returns before its
+        later stages finish, so the engine can launch the next micro-batch; any other model
+        runs the whole forward here. :meth:`collect` finishes the step."""
+        step = self.prepare(output, captured=False)
+        start = getattr(self.model, "launch", self.model.hidden_states)
+        step.hidden = start(step.tokens[None], step.positions[None], step.attention)
+        return step
+
+    def collect(self, step: PreparedStep) -> list[ChunkOutput]:
+        """The rest of a step :meth:`launch` started."""
+        return self.execute_prepared(step)
+
+    @torch.inference_mode()
+    def prepare(self, output: SchedulerOutput, captured: bool | None = None) -> PreparedStep:
+        """Copy one step out of its sequences: decodes sorted by length, then prefill chunks;
+        as a captured program's inputs when the step is decodes only and fits one (or
+        ``captured`` says), else as the eager forward's tokens, positions and attention."""
         decodes = sorted((c for c in output.chunks if c.num_tokens == 1), key=lambda c: c.start)
         prefills = [c for c in output.chunks if c.num_tokens > 1]
         ordered = decodes + prefills
-        tokens, positions, slots = self.flatten(ordered)
-        attention = PagedAttention(
-            self.pool, slots, self.decode_groups(decodes), self.prefill_chunks(prefills, offset=len(decodes)),
-            backend=self.attention,
-        )
-        start = getattr(self.model, "launch", self.model.hidden_states)
-        return LaunchedStep(output, ordered, start(tokens[None], positions[None], attention))
+        step = PreparedStep(output, ordered, [c for c in ordered if c.samples])
+        if captured is None:
+            captured = self.graphs is not None and not prefills and len(decodes) <= self.graphs.max_batch
+        if captured:
+            step.staged = self.graphs.stage(decodes)
+        else:
+            tokens, positions, slots = self.flatten(ordered)
+            step.tokens, step.positions = tokens, positions
+            step.attention = PagedAttention(self.pool, slots, self.decode_groups(decodes),
+                                            self.prefill_chunks(prefills, offset=len(decodes)), backend=self.attention)
+            ends = list(accumulate(c.num_tokens for c in ordered))
+            step.last_rows = torch.tensor([end - 1 for c, end in zip(ordered, ends) if c.samples],
+                                          dtype=torch.long, device=self.device)
+        step.pending = self._placeholders(ordered)
+        self._sampling_rows = {id(c.seq): i for i, c in enumerate(step.sampling)}
+        return step
+
+    def _placeholders(self, ordered: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where this step's pending tokens are (each at most one, a chunk's last: a decode's
+        input) and the row of the previous step's sampled tokens that holds each."""
+        rows, sources, row = [], [], 0
+        for c in ordered:
+            row += c.num_tokens
+            if c.start + c.num_tokens > len(c.seq.token_ids):
+                rows.append(row - 1)
+                sources.append(self._sampling_rows[id(c.seq)])
+        if not rows:
+            return None
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        return as_tensor(rows), as_tensor(sources)
 
     @torch.inference_mode()
-    def collect(self, step: LaunchedStep) -> list[ChunkOutput]:
-        """The eager path's second half: the forward's hidden states (waited for, if the model
-        is pipelined) to the logits of the rows that sample, and those to tokens."""
-        output, ordered = step.output, step.ordered
-        hidden = (step.hidden if isinstance(step.hidden, torch.Tensor) else step.hidden.wait())[0]
-        ends = torch.tensor(list(accumulate(c.num_tokens for c in ordered)), device=self.device)
-        wanted = [i for i, c in enumerate(ordered) if c.samples]
-        results = {id(c): ChunkOutput() for c in output.chunks}
-        if wanted:
-            logits = self.model.logits(hidden[ends[wanted] - 1]).float()
-            for i, chosen in zip(wanted, _choose([ordered[i].seq for i in wanted], logits)):
-                results[id(ordered[i])] = chosen
-        for c, end in zip(ordered, ends.tolist()):
+    def compute(self, step: PreparedStep) -> ComputedStep:
+        """Run a prepared step's forward (unless :meth:`launch` started it) and sample its
+        tokens, leaving them on the device."""
+        if step.staged is not None:
+            logits, greedy = self.graphs.run(step.staged, step.pending, self._sampled)
+            hidden = None
+        else:
+            if step.hidden is None:
+                if step.pending is not None:
+                    step.tokens[step.pending[0]] = self._sampled[step.pending[1]]
+                step.hidden = self.model.hidden_states(step.tokens[None], step.positions[None], step.attention)
+            hidden = (step.hidden if isinstance(step.hidden, torch.Tensor) else step.hidden.wait())[0]
+            greedy = None
+            logits = self.model.logits(hidden[step.last_rows]).float() if step.sampling else None
+        seqs = [c.seq for c in step.sampling]
+        processed = process_(seqs, logits) if seqs else Processed()
+        if not seqs:
+            tokens = torch.empty(0, dtype=torch.long, device=self.device)
+        elif greedy is not None and not processed.shaped and all(s.params.greedy for s in seqs):
+            tokens = greedy
+        else:
+            tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        self._sampled = tokens
+        return ComputedStep(step, tokens, processed, hidden)
+
+    @torch.inference_mode()
+    def read(self, computed: ComputedStep) -> list[ChunkOutput]:
+        """The sampled tokens (and their logprobs, and prompts' scores where asked) read back:
+        one output per chunk, in ``output.chunks`` order."""
+        step = computed.prepared
+        results = {id(c): ChunkOutput() for c in step.output.chunks}
+        tokens = computed.tokens
+        for c, token, lp in zip(step.sampling, tokens.tolist(), computed.processed.logprobs(tokens)):
+            results[id(c)] = ChunkOutput([token], lp)
+        end = 0
+        for c in step.ordered:
+            end += c.num_tokens
             if c.seq.params.prompt_logprobs is not None and c.start < c.seq.prompt_len - 1:
-                results[id(c)].prompt_logprobs = self.score_prompt(c, hidden[end - c.num_tokens : end])
-        return [results[id(c)] for c in output.chunks]
+                results[id(c)].prompt_logprobs = self.score_prompt(c, computed.hidden[end - c.num_tokens : end])
+        return [results[id(c)] for c in step.output.chunks]
 
     def score_prompt(self, chunk: ScheduledChunk, hidden: torch.Tensor) -> list[TokenLogprobs]:
         """The prompt tokens after ``chunk``'s positions, scored from its ``hidden`` rows: the
@@ -141,15 +271,17 @@ class ModelRunner:
         return scored
 
     def flatten(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The step's tokens side by side, their positions, and the pool slot each one's key
-        and value go to (:func:`~minillm.engine.kv_cache.slot_of`)."""
+        """The step's tokens side by side (a pending one as 0, a placeholder), their
+        positions, and the pool slot each one's key and value go to
+        (:func:`~minillm.engine.kv_cache.slot_of`)."""
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         bs = self.pool.block_size
         for c in chunks:
             span = range(c.start, c.start + c.num_tokens)
-            tokens += c.seq.token_ids[c.start : c.start + c.num_tokens]
+            known = c.seq.token_ids[c.start : c.start + c.num_tokens]
+            tokens += known + [0] * (c.num_tokens - len(known))  # a pending token: filled in by compute
             positions += span
             slots += [slot_of(c.seq.block_table, p, bs) for p in span]
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
@@ -182,18 +314,3 @@ class ModelRunner:
             offset += c.num_tokens
         return chunks
 
-
-def _choose(seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None = None) -> list[ChunkOutput]:
-    """One token per row of ``logits`` for ``seqs``, with its logprobs where asked.
-
-    The logits processors read and shape, in place, the rows whose requests ask; ``greedy``, the
-    rows' argmax when the step computed it already, answers a batch of greedy rows that nothing
-    shaped.
-    """
-    processed = process_(seqs, logits)
-    params = [s.params for s in seqs]
-    if greedy is not None and not processed.shaped and all(p.greedy for p in params):
-        tokens = greedy
-    else:
-        tokens = sample(logits, params, [s.generator for s in seqs])
-    return [ChunkOutput([token], lp) for token, lp in zip(tokens.tolist(), processed.logprobs(tokens))]

@@ -16,6 +16,11 @@ under ``max_num_seqs``, ``max_num_batched_tokens`` and the pool's free blocks, a
 4. An engine with several steps in flight (pipeline micro-batches, chapter 16) names the
    sequences still in one (``busy``): neither scheduled again nor preempted.
 
+Scheduling a chunk counts its positions as computed and its sampled token as pending (see
+:mod:`~minillm.engine.sequence`), so the next step can be scheduled before this one has run:
+an overlapped engine schedules step N+1 while step N computes. A sequence with a step in flight
+is never preempted, and its blocks are freed only once every step that holds it is accounted for.
+
 A request that could never run is refused at :meth:`Scheduler.add`.
 """
 
@@ -159,7 +164,30 @@ class Scheduler:
             self.admit_waiting(out, now)
         if self.num_lookahead_slots:
             self.reserve_lookahead(out)
+        for chunk in out.chunks:
+            self.launched(chunk)
         return out
+
+    @staticmethod
+    def launched(chunk: ScheduledChunk) -> None:
+        """Count a scheduled chunk as run: its positions computed, its token (if it samples)
+        pending, and one more step holding the sequence."""
+        seq = chunk.seq
+        seq.num_computed_tokens = chunk.start + chunk.num_tokens
+        seq.num_pending += chunk.samples
+        seq.num_steps_in_flight += 1
+
+    def abandon(self, output: SchedulerOutput) -> None:
+        """Undo :meth:`launched` for a step that failed before it was accounted for: its
+        sequences are as they were before it was scheduled (the blocks it took stay theirs)."""
+        for chunk in reversed(output.chunks):
+            seq = chunk.seq
+            seq.num_steps_in_flight -= 1
+            if seq.is_finished:
+                self._release_if_idle(seq)
+                continue
+            seq.num_computed_tokens = chunk.start
+            seq.num_pending -= chunk.samples
 
     def reserve_lookahead(self, out: SchedulerOutput) -> None:
         """Room for draft tokens when this step's whole batch is one decode (where speculation
@@ -187,7 +215,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and self._budget_left(out) > 0 and len(out.chunks) < self._max_seqs:
             seq = self.running[i]
-            if seq in self._busy:
+            if seq in self._busy or seq.awaits_last_token:
                 i += 1
                 continue
             end = min(seq.num_tokens, seq.num_computed_tokens + self._budget_left(out))
@@ -198,19 +226,22 @@ class Scheduler:
 
     def make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Give ``seq`` blocks for ``num_tokens`` tokens, preempting the newest running
-        sequences until it fits. False if ``seq`` itself had to go."""
+        sequences until it fits. False if ``seq`` itself had to go, or could not get room
+        because every sequence left has a step in flight."""
         while not self.allocator.can_allocate(seq, num_tokens):
-            victim = self.newest_preemptible()  # seq itself, at the latest
+            victim = self.newest_preemptible()  # seq itself, at the latest, unless it is in flight
+            if victim is None:
+                return False
             self.preempt(victim, out)
             if victim is seq:
                 return False
         self.allocator.grow(seq, num_tokens)
         return True
 
-    def newest_preemptible(self) -> Sequence:
-        """The newest running sequence not ``busy`` (no earlier step still computing it): the
-        next to preempt."""
-        return next(s for s in reversed(self.running) if s not in self._busy)
+    def newest_preemptible(self) -> Sequence | None:
+        """The newest running sequence with no step in flight (``busy``, or holding a pending
+        token, whose step may still write its blocks): the next to preempt."""
+        return next((s for s in reversed(self.running) if not s.num_steps_in_flight and s not in self._busy), None)
 
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Take back all of ``seq``'s blocks and queue it first, to recompute later. Its
@@ -260,30 +291,36 @@ class Scheduler:
     # ------------------------------------------------------------------ after the model ran
 
     def postprocess(self, output: SchedulerOutput) -> list[Sequence]:
-        """Account for a step the engine has run and appended: advance each chunk's computed
-        tokens, put newly full blocks in the prefix cache, and retire (and return) the finished.
+        """Account for a step the engine has run and appended: put the blocks it filled in the
+        prefix cache, and retire (and return) the sequences it finished.
 
         A chunk that sampled leaves every token computed but the newest, the next step's input
         (accepted draft tokens included; rejected ones' slots are written over later). A
-        sequence aborted while the step ran was already retired by :meth:`abort`: skipped.
+        finished sequence (this step's, or an earlier one's seen late, or aborted) gives its
+        blocks back once no step in flight holds it.
         """
         finished = []
         for chunk in output.chunks:
             seq = chunk.seq
-            if seq.finish_reason is FinishReason.ABORT:
-                continue
-            if chunk.samples:
-                seq.num_computed_tokens = seq.num_tokens - 1
-            else:
-                seq.num_computed_tokens += chunk.num_tokens
-            self.allocator.commit(seq)  # before freeing, so a finished prompt can still be hit
+            seq.num_steps_in_flight -= 1
+            if seq.finish_reason is not FinishReason.ABORT:
+                if chunk.samples and not seq.is_finished:
+                    seq.num_computed_tokens = max(seq.num_computed_tokens, seq.num_tokens - 1)
+                # before freeing, so a finished prompt can still be hit
+                self.allocator.commit(seq, chunk.start + chunk.num_tokens)
             if seq.is_finished:
-                self.allocator.free(seq)
-                del self._requests[seq.request_id]
-                finished.append(seq)
+                if self._requests.get(seq.request_id) is seq:
+                    del self._requests[seq.request_id]
+                    finished.append(seq)
+                self._release_if_idle(seq)
         if finished:
             self.running = [s for s in self.running if not s.is_finished]
         return finished
+
+    def _release_if_idle(self, seq: Sequence) -> None:
+        """Free a finished sequence's blocks, unless a step in flight may still write them."""
+        if not seq.num_steps_in_flight:
+            self.allocator.free(seq)
 
     def abort(self, request_id: Hashable, now: float) -> Sequence | None:
         """Finish a waiting or running request with ``"abort"`` and free its blocks; None if
@@ -296,8 +333,8 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
-        self.allocator.free(seq)
         seq.finish(FinishReason.ABORT, now)
+        self._release_if_idle(seq)
         return seq
 
     # ------------------------------------------------------------------ statistics

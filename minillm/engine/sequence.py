@@ -2,8 +2,14 @@
 
 The prompt and the tokens generated so far are one list, ``token_ids``, so a sequence that is
 recomputed after a preemption is simply "a longer prompt". The rest is the scheduler's and the
-allocator's bookkeeping (status, block table, computed tokens), timestamps for the server's
-latencies, and what the request owns while it lives (detokenizer, random generator, grammar).
+allocator's bookkeeping (status, block table, computed tokens, tokens pending), timestamps for
+the server's latencies, and what the request owns while it lives (detokenizer, random
+generator, grammar).
+
+A token is *pending* from the moment a step that samples it is scheduled until the engine
+appends it. The scheduler counts pending tokens as tokens (``num_tokens``), so an engine that
+schedules step N+1 while step N still runs (overlap scheduling) gives each sequence its next
+position at once; the token itself is read from step N's output where it is computed.
 The sequence is the request's one record: finishing a request is dropping this object.
 """
 
@@ -81,7 +87,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     block_table: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # positions whose keys and values a scheduled step computes
+    num_pending: int = 0  # tokens scheduled to be sampled, not yet appended (see the module docstring)
+    num_steps_in_flight: int = 0  # scheduled steps with this sequence not yet accounted for: its blocks stay
     num_cached_prompt_tokens: int = 0  # prefix-cache hit, in tokens, at the last admission
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
@@ -100,7 +108,15 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens known or pending: the scheduler's length of the sequence."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def awaits_last_token(self) -> bool:
+        """True when the tokens pending are all the request may still produce (``max_tokens``
+        or the context reached): no step needs scheduling until they are appended."""
+        return self.num_pending > 0 and (self.num_output_tokens + self.num_pending >= self.params.max_tokens
+                                         or self.num_tokens >= self.max_model_len)
 
     @property
     def output_ids(self) -> list[int]:
@@ -108,6 +124,7 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
+        """Tokens generated and appended (pending ones are not counted)."""
         return len(self.token_ids) - self.prompt_len
 
     @property
@@ -135,8 +152,8 @@ class Sequence:
                             self.finish_time or arrival, tuple(self.token_times))
 
     def append_token(self, token: int, now: float) -> None:
-        """Add one sampled token, record when it came, and finish if it ends the request
-        (:meth:`SamplingParams.finish_reason`). A request held to a schema stops as soon as its
+        """Add one sampled token (the oldest pending one, if any), record when it came, and
+        finish if it ends the request (:meth:`SamplingParams.finish_reason`). A request held to a schema stops as soon as its
         value is complete, with no end-of-text token to wait for (and so even with
         ``ignore_eos``: the grammar allows nothing more). Appending to a finished sequence is a
         bug in the caller (for example a sequence aborted while its step ran), so it raises
@@ -147,6 +164,7 @@ class Sequence:
         if self.grammar is not None:
             self.grammar.accept(token)
         self.token_ids.append(token)
+        self.num_pending = max(0, self.num_pending - 1)
         if self.first_token_time is None:
             self.first_token_time = now
         self.token_times.append(now)
@@ -154,12 +172,14 @@ class Sequence:
             reason: FinishReason | None = FinishReason.STOP
         else:
             reason = self.params.finish_reason(token, self.num_output_tokens, self.eos_token_id,
-                                               self.num_tokens >= self.max_model_len)
+                                               len(self.token_ids) >= self.max_model_len)
         if reason is not None:
             self.finish(reason, now)
 
     def finish(self, reason: FinishReason, now: float) -> None:
-        """Mark the request done. Its blocks are returned by the scheduler, which owns them."""
+        """Mark the request done; a token still pending will never be appended. Its blocks are
+        returned by the scheduler, which owns them."""
         self.status = SequenceStatus.FINISHED
+        self.num_pending = 0
         self.finish_reason = reason
         self.finish_time = now

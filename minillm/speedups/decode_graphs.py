@@ -86,6 +86,15 @@ class Capture:
         return DecodeGraphs(self.model, pool, self.max_batch, self.kernels, self.mode)
 
 
+@dataclass(frozen=True)
+class StagedDecodes:
+    """A decode step's inputs on the host (:meth:`DecodeGraphs.stage`): ``rows`` ``[n, 4 +
+    width]``, token, position, slot and length, then a block table ``width`` blocks wide."""
+
+    rows: torch.Tensor
+    width: int
+
+
 class DecodeStep(nn.Module):
     """One padded decode step as a module: the model is its submodule, so a compiler sees the
     weights as the module's parameters (constants, once frozen), while the KV pool and the
@@ -163,30 +172,40 @@ class DecodeGraphs:
             self.prepare_seconds[b] = time.perf_counter() - start
         return self._programs[b]
 
-    @torch.inference_mode()
-    def run(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits ``[n, vocab]`` (float32) and their argmax ``[n]`` for ``n`` decodes."""
-        n = len(decodes)
-        b = self.bucket(n)
-        self.fill(decodes, b)
-        logits, greedy = self.program(b)()
-        return logits[:n], greedy[:n]
-
-    def fill(self, decodes: list[ScheduledChunk], b: int) -> None:
-        """Write the step's rows into the buffers and reset the padding rows after them.
-        Only the first ``width`` columns of a table are ever read (``lengths`` masks the
-        rest), so only those are written."""
+    def stage(self, decodes: list[ScheduledChunk]) -> StagedDecodes:
+        """The decodes' inputs, copied out of their sequences into one host tensor, a row each:
+        token, position, slot, length, then the first ``width`` entries of its block table
+        (only those are ever read: ``lengths`` masks the rest). A pending token is staged as 0
+        and copied in on the device by :meth:`run`."""
         bs = self.pool.block_size
-        n = len(decodes)
         width = -(-(max(c.start for c in decodes) + 1) // bs)
         rows = [
-            [c.seq.token_ids[c.start], c.start, slot_of(c.seq.block_table, c.start, bs), c.start + 1]
+            [c.seq.token_ids[c.start] if c.start < len(c.seq.token_ids) else 0, c.start,
+             slot_of(c.seq.block_table, c.start, bs), c.start + 1]
             + self.pool.table_row(c.seq.block_table, width)
             for c in decodes
         ]
         host = torch.tensor(rows, dtype=torch.long)
-        device = self.tokens.device
-        packed = host.to(device, non_blocking=True)
+        return StagedDecodes(host.pin_memory() if self.tokens.is_cuda else host, width)
+
+    @torch.inference_mode()
+    def run(self, staged: StagedDecodes, pending: tuple[torch.Tensor, torch.Tensor] | None = None,
+            sampled: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits ``[n, vocab]`` (float32) and their argmax ``[n]`` for the ``n`` staged decodes;
+        ``pending`` rows take their token from the previous step's ``sampled`` ones."""
+        n = staged.rows.shape[0]
+        b = self.bucket(n)
+        self.fill(staged, b)
+        if pending is not None:
+            self.tokens[pending[0]] = sampled[pending[1]]
+        logits, greedy = self.program(b)()
+        return logits[:n], greedy[:n]
+
+    def fill(self, staged: StagedDecodes, b: int) -> None:
+        """Copy the staged rows into the buffers, in one copy to the device, and reset the
+        padding rows after them, up to the bucket ``b``."""
+        bs, n, width = self.pool.block_size, staged.rows.shape[0], staged.width
+        packed = staged.rows.to(self.tokens.device, non_blocking=True)
         self.tokens[:n], self.positions[:n], self.slots[:n], self.lengths[:n] = packed[:, :4].unbind(1)
         self.tables[:n, :width] = packed[:, 4:]
         if b > n:

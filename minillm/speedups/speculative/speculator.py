@@ -88,6 +88,9 @@ class SpeculativeRunner:
             return [ChunkOutput(self.speculate(output.chunks[0]))]
         return self.runner.execute(output)
 
+    def close(self) -> None:
+        self.runner.close()
+
     @torch.inference_mode()
     def speculate(self, chunk: ScheduledChunk) -> list[int]:
         """Draft up to ``chunk.num_lookahead`` tokens, verify them, and return the accepted
@@ -102,7 +105,7 @@ class SpeculativeRunner:
         keys and values into its blocks, and return ``(n_accepted, next_token)`` by the
         acceptance rule (chapter 14)."""
         runner, seq = self.runner, chunk.seq
-        span = ScheduledChunk(seq, seq.num_tokens - 1, 1 + len(draft))
+        span = ScheduledChunk(seq, chunk.start, 1 + len(draft))
         (prefill,) = runner.prefill_chunks([span])
         tokens = torch.tensor([seq.token_ids[-1], *draft.tokens], dtype=torch.long, device=runner.device)
         positions = torch.arange(span.start, span.start + span.num_tokens, device=runner.device)
@@ -121,4 +124,5 @@ class SpeculativeEngine(LLMEngine):
         super().__init__(model, config, tokenizer, speedups)
         self.speculator = speculator
         self.scheduler.num_lookahead_slots = speculator.k
+        self.overlap = False  # a speculative step's tokens decide the next step's length
         self.runner = SpeculativeRunner(self.runner, speculator)
