@@ -118,7 +118,8 @@ FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     ("--async-scheduling", bool, "overlap scheduling: prepare each step, and stream the previous step's tokens, "
                                  "while the model computes (a request that ends is seen one step late, its extra "
                                  "token dropped); --no-async-scheduling runs one step after another (the reference). "
-                                 "Default: on, except with --speculative-draft or a split model"),
+                                 "Default: on a GPU; off on a CPU, whose cores the forward already keeps busy; never "
+                                 "with --speculative-draft or a split model"),
     ("--quantize", str.lower, "int8 | int4: weight-only quantization of the model's matrices (chapter 13); "
                             "activations are then bf16 unless --dtype says otherwise"),
 ]

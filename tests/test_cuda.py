@@ -53,6 +53,7 @@ def test_cuda_graph_decode_replays_the_eager_tokens() -> None:
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == eager
     assert llm.engine.graphs is not None and llm.engine.graphs.mode == "cuda-graph"
+    assert llm.engine.overlap  # overlap scheduling is the default on a GPU: its tokens are the serial engine's
 
 
 def test_bf16_decode_on_cuda_gives_every_token_asked_for() -> None:

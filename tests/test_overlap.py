@@ -81,8 +81,8 @@ def assert_same(served: list[tuple], reference: list[tuple]) -> None:
 
 def serial_and_overlapped(model: GPT, prompts, params, **options) -> tuple[list[tuple], list[tuple], LLM]:
     serial = LLM(model, async_scheduling=False, **options)
-    overlapped = LLM(model, **options)
-    assert not serial.engine.overlap and overlapped.engine.overlap  # on by default
+    overlapped = LLM(model, async_scheduling=True, **options)
+    assert not serial.engine.overlap and overlapped.engine.overlap
     # the first request alone, then the rest, which find the shared prefix in the cache
     outputs = [served(llm, prompts[:1], params[:1]) + served(llm, prompts[1:], params[1:]) for llm in (serial, overlapped)]
     return *outputs, overlapped
@@ -136,7 +136,7 @@ def test_captured_steps_fill_pending_tokens_on_the_device(model: GPT, stops, mon
 
 def test_the_next_step_starts_before_the_last_ones_tokens_are_appended(model: GPT) -> None:
     """The point of it all: step N+1 is submitted while step N's tokens are still unread."""
-    llm = LLM(model, block_size=8)
+    llm = LLM(model, block_size=8, async_scheduling=True)
     engine, events = llm.engine, []
     submit, finish = engine.runner.submit, engine._finish_step
     engine.runner.submit = lambda step: events.append(("submit", engine.scheduler.num_waiting)) or submit(step)
@@ -151,7 +151,7 @@ def test_the_next_step_starts_before_the_last_ones_tokens_are_appended(model: GP
 def test_a_request_that_ends_is_seen_one_step_late_and_shows_nothing_more(model: GPT, stops) -> None:
     """A request stopped by a token is already in the next step: that step computes a token for
     it, which is dropped, and its blocks come back only after that step."""
-    llm = LLM(model, block_size=8)
+    llm = LLM(model, block_size=8, async_scheduling=True)
     engine = llm.engine
     stop_token, _ = stops
     prompts, _ = workload()
@@ -166,7 +166,7 @@ def test_a_request_that_ends_is_seen_one_step_late_and_shows_nothing_more(model:
 
 
 def test_an_abort_while_a_step_computes_keeps_its_blocks_until_that_step_is_done(model: GPT) -> None:
-    llm = LLM(model, block_size=8)
+    llm = LLM(model, block_size=8, async_scheduling=True)
     engine = llm.engine
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     reference = served(LLM(model, async_scheduling=False, block_size=8), [[9, 8, 7, 6]], [params])[0][0]
@@ -186,7 +186,7 @@ def test_an_abort_while_a_step_computes_keeps_its_blocks_until_that_step_is_done
 def test_a_failing_computation_ends_both_steps_and_undoes_them(model: GPT, monkeypatch) -> None:
     """If step N's forward raises, step N+1 (started on N's tokens) is waited for and undone
     too; both batches are ``last_step``, the requests a server ends, and nothing leaks."""
-    llm = LLM(model, block_size=8)
+    llm = LLM(model, block_size=8, async_scheduling=True)
     engine = llm.engine
     seqs = [engine.add_request(f"r{i}", [i + 1, 2, 3], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
             for i in range(3)]
@@ -212,6 +212,12 @@ def test_a_failing_computation_ends_both_steps_and_undoes_them(model: GPT, monke
     assert not engine.has_unfinished and engine.stats().kv_blocks_used == 0
 
 
+def test_overlap_is_the_default_on_a_gpu_only(model: GPT) -> None:
+    """On a CPU the forward already keeps every core busy: the serial engine is the default."""
+    assert not LLM(model, block_size=8).engine.overlap
+    assert not LLM(model, block_size=8, async_scheduling=None).engine.overlap
+
+
 def test_the_option_is_refused_where_it_cannot_run() -> None:
     with pytest.raises(EngineOptionError, match="pipeline_parallel_size") as err:
         EngineConfig(async_scheduling=True, pipeline_parallel_size=2)
@@ -221,3 +227,32 @@ def test_the_option_is_refused_where_it_cannot_run() -> None:
     with pytest.raises(EngineOptionError, match="speculative_draft") as err:
         check_options(EngineConfig(async_scheduling=True), speculative_draft="ngram")
     assert err.value.option == "async_scheduling"
+
+
+def test_the_server_streams_what_the_serial_engine_serves(model: GPT) -> None:
+    """Through the HTTP server: a streamed request cut by a stop string and two seeded choices
+    of one prompt, from an overlapped engine, are the serial engine's text."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from minillm.data.tokenizer import get_tokenizer
+    from minillm.engine import LLMEngine
+    from server.app import create_app
+    from server.config import ServerConfig
+    from tests.test_server import sse_events
+
+    async def answers(overlap: bool) -> tuple:
+        engine = LLMEngine(model, EngineConfig(num_blocks=64, block_size=8, async_scheduling=overlap), get_tokenizer())
+        async with TestClient(TestServer(create_app(engine, ServerConfig()))) as client:
+            body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+            whole = (await (await client.post("/v1/completions", json=body)).json())["choices"][0]["text"]
+            stop = whole[len(whole) // 2:][:3]
+            events = await sse_events(await client.post("/v1/completions", json=body | {"stop": [stop], "stream": True}))
+            streamed = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+            seeded = await (await client.post("/v1/completions", json={"prompt": "The dog", "n": 2, "max_tokens": 12,
+                                                                         "seed": 7, "temperature": 0.9})).json()
+            return whole, streamed, [c["text"] for c in seeded["choices"]]
+
+    serial, overlapped = asyncio.run(answers(False)), asyncio.run(answers(True))
+    assert overlapped == serial and serial[1] == serial[0][: serial[0].index(serial[0][len(serial[0]) // 2:][:3])]

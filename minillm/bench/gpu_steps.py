@@ -144,8 +144,20 @@ def cuda_tests(ctx) -> None:
         raise RuntimeError(f"pytest -m cuda exited {proc.returncode}: {counts}")
 
 
+def host(ctx) -> None:
+    """Step 3: the host's work per decode step around a model of negligible arithmetic
+    (:mod:`minillm.bench.host`), eager and captured, serial and overlapped, batch 1..256: on a
+    GPU the overlapped engine should hide it behind the device's."""
+    from minillm.bench.host import BATCHES, METHODS, run_host_bench
+
+    methods = ["eager", "eager-overlap"] if ctx.dry_run else list(METHODS)  # dry: no CPU compiles
+    batches, steps = ([1, 2], 4) if ctx.dry_run else (list(BATCHES), 40)
+    report = run_host_bench(batches, methods, steps, torch.get_num_threads(), ctx.device)
+    ctx.save(command=f"python -m minillm.bench host --device {ctx.device} --methods {','.join(methods)}", **report)
+
+
 def attention(ctx) -> None:
-    """Step 3: ``python -m minillm.bench attention`` on this device (on CUDA: naive, Triton and
+    """Step 4: ``python -m minillm.bench attention`` on this device (on CUDA: naive, Triton and
     SDPA at T = 128..8192, then the engine's decode with each backend); ``--smoke`` when dry."""
     from minillm.bench import attention as attention_bench
     from minillm.bench.__main__ import build_parser
@@ -157,7 +169,7 @@ def attention(ctx) -> None:
 
 
 def decode(ctx) -> None:
-    """Step 4: our engine's decode tokens/s at batch 1..256, eager and captured (CUDA graphs on
+    """Step 5: our engine's decode tokens/s at batch 1..256, eager and captured (CUDA graphs on
     a GPU), beside ``transformers`` ``generate``, each as a fraction of the roof (reading every
     weight once per step at the measured bandwidth): :func:`minillm.bench.decode.run_decode_bench`."""
     preset, dtype = shape(ctx)
@@ -200,7 +212,7 @@ def fractions(run_: dict) -> dict:
 
 
 def training(ctx) -> None:
-    """Step 5: training tokens/s of the GPU model (bf16 autocast), ``torch.compile`` off and on;
+    """Step 6: training tokens/s of the GPU model (bf16 autocast), ``torch.compile`` off and on;
     MFU against the measured bf16 matmul peak; how long an epoch of TinyStories would take."""
     preset, _ = shape(ctx)
     dtype = "float32" if ctx.dry_run else "bfloat16"
@@ -228,7 +240,7 @@ def training(ctx) -> None:
 
 
 def server(ctx) -> None:
-    """Step 6: ``python -m server`` on random weights of the GPU model, then a short
+    """Step 7: ``python -m server`` on random weights of the GPU model, then a short
     ``python -m server.loadgen`` sweep against it: TTFT/TPOT percentiles, sustained tokens/s."""
     from minillm.bench.gpu_check import child_env
 

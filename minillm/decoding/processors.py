@@ -116,8 +116,11 @@ def process_(rows: list[Row], logits: torch.Tensor) -> Processed:
     """Run every processor of :data:`PROCESSORS`, in order, on the rows of ``logits`` (``[n,
     vocab]``, float, one row per request in ``rows``) that ask for it, in place."""
     done = Processed()
+    candidates = [i for i, row in enumerate(rows) if row.params.token_by_token]  # plain rows ask for nothing
+    if not candidates:
+        return done
     for processor in PROCESSORS:
-        asking = [i for i, row in enumerate(rows) if processor.asks(row)]
+        asking = [i for i in candidates if processor.asks(rows[i])]
         if not asking:
             continue  # nobody asks: no tensor work
         report = processor.apply_(logits, asking, [rows[i] for i in asking])

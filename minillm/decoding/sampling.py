@@ -12,6 +12,7 @@ import copy
 import math
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -117,7 +118,7 @@ class SamplingParams:
         choice.seed = seed
         return choice
 
-    @property
+    @cached_property
     def greedy(self) -> bool:
         """True when the choice is always the most likely token: temperature 0, or top-k 1
         (one candidate left, whatever the temperature), so no random draw is needed."""
@@ -128,14 +129,14 @@ class SamplingParams:
         """True when top-k or top-p narrows the candidates, so the sampler must rank them."""
         return self.top_k is not None or self.top_p < 1
 
-    @property
+    @cached_property
     def adjusts(self) -> bool:
         """True when a penalty, a bias or ``min_tokens`` changes the logits before sampling;
         the sampler skips that work for every other row."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
                     or self.logit_bias or self.min_tokens)
 
-    @property
+    @cached_property
     def token_by_token(self) -> bool:
         """True when every position needs its own adjusted, reported or masked logits, which
         speculative decoding's one-pass verification does not give: one token per step."""

@@ -115,7 +115,7 @@ class BlockAllocator:
         """How many free blocks giving ``seq`` room for ``num_tokens`` tokens would use up: new
         ones, plus shared ones that are evictable now (held, they stop counting as free)."""
         fresh = max(0, self.blocks_for(num_tokens) - len(seq.block_table) - len(shared))
-        return fresh + sum(1 for b in shared if self.ref_counts[b] == 0)
+        return fresh + sum(self.ref_counts[b] == 0 for b in shared) if shared else fresh
 
     def can_allocate(self, seq: Sequence, num_tokens: int, shared: BlockIds[int] = ()) -> bool:
         """Whether the pool can give ``seq`` room for ``num_tokens`` tokens now."""

@@ -61,8 +61,10 @@ class EngineConfig:
     # preset), so a packed model grows past any warm-up: it is refused with memory_budget.
     pack_weights: bool | None = None
     # Overlap scheduling (vLLM's async scheduling): schedule and prepare step N+1, and append
-    # and detokenize step N-1's tokens, while step N computes. None overlaps wherever it can (one
-    # process, no speculative steps); False keeps the serial engine, the reference; True insists.
+    # and detokenize step N's tokens, while N+1 computes. None overlaps on a GPU, whose work runs
+    # beside the host's; on a CPU the forward already keeps every core busy, and the host's work
+    # beside it slows it by more than it hides (measured: python -m minillm.bench host). False
+    # keeps the serial engine, the reference; True insists (one process, no speculative steps).
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:

@@ -145,8 +145,9 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.pool, attention, self.graphs)
         self._steps = self._prefill_tokens = self._generated = 0
         self.last_step: SchedulerOutput | None = None  # what the latest step ran, for timelines and dashboards
-        # Overlap scheduling where the model runs in this process (config.async_scheduling)
-        self.overlap = config.async_scheduling is not False and not _split(model)
+        # Overlap scheduling (config.async_scheduling): by default on a GPU, never for a split model
+        overlap = config.async_scheduling if config.async_scheduling is not None else model.device.type == "cuda"
+        self.overlap = overlap and not _split(model)
         self._computing: tuple[SchedulerOutput, StepResult] | None = None  # the step computing, overlapped
 
     def add_request(

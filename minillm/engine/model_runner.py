@@ -245,16 +245,18 @@ class ModelRunner:
         """The sampled tokens (and their logprobs, and prompts' scores where asked) read back:
         one output per chunk, in ``output.chunks`` order."""
         step = computed.prepared
-        results = {id(c): ChunkOutput() for c in step.output.chunks}
         tokens = computed.tokens
-        for c, token, lp in zip(step.sampling, tokens.tolist(), computed.processed.logprobs(tokens)):
-            results[id(c)] = ChunkOutput([token], lp)
-        end = 0
-        for c in step.ordered:
-            end += c.num_tokens
-            if c.seq.params.prompt_logprobs is not None and c.start < c.seq.prompt_len - 1:
-                results[id(c)].prompt_logprobs = self.score_prompt(c, computed.hidden[end - c.num_tokens : end])
-        return [results[id(c)] for c in step.output.chunks]
+        results = {id(c): ChunkOutput([token], lp) for c, token, lp in
+                   zip(step.sampling, tokens.tolist(), computed.processed.logprobs(tokens))}
+        outputs = [results.get(id(c)) or ChunkOutput() for c in step.output.chunks]
+        if computed.hidden is not None and any(c.seq.params.prompt_logprobs is not None for c in step.ordered):
+            by_chunk = {id(c): out for c, out in zip(step.output.chunks, outputs)}
+            end = 0
+            for c in step.ordered:
+                end += c.num_tokens
+                if c.seq.params.prompt_logprobs is not None and c.start < c.seq.prompt_len - 1:
+                    by_chunk[id(c)].prompt_logprobs = self.score_prompt(c, computed.hidden[end - c.num_tokens : end])
+        return outputs
 
     def score_prompt(self, chunk: ScheduledChunk, hidden: torch.Tensor) -> list[TokenLogprobs]:
         """The prompt tokens after ``chunk``'s positions, scored from its ``hidden`` rows: the

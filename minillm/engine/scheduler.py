@@ -213,12 +213,12 @@ class Scheduler:
         lasts. Preemption takes sequences from the end of ``running``, which this loop has not
         reached yet, so no scheduled chunk ever loses its blocks."""
         i = 0
-        while i < len(self.running) and self._budget_left(out) > 0 and len(out.chunks) < self._max_seqs:
+        while i < len(self.running) and (budget := self._budget_left(out)) > 0 and len(out.chunks) < self._max_seqs:
             seq = self.running[i]
             if seq in self._busy or seq.awaits_last_token:
                 i += 1
                 continue
-            end = min(seq.num_tokens, seq.num_computed_tokens + self._budget_left(out))
+            end = min(seq.num_tokens, seq.num_computed_tokens + budget)
             if not self.make_room(seq, end, out):
                 break  # seq itself was the newest and is now preempted: nobody after it
             out.add(ScheduledChunk(seq, seq.num_computed_tokens, end - seq.num_computed_tokens))
@@ -228,6 +228,8 @@ class Scheduler:
         """Give ``seq`` blocks for ``num_tokens`` tokens, preempting the newest running
         sequences until it fits. False if ``seq`` itself had to go, or could not get room
         because every sequence left has a step in flight."""
+        if self.allocator.blocks_for(num_tokens) <= len(seq.block_table):
+            return True  # its last block has room: most decode steps
         while not self.allocator.can_allocate(seq, num_tokens):
             victim = self.newest_preemptible()  # seq itself, at the latest, unless it is in flight
             if victim is None:
