@@ -8,25 +8,14 @@ import torch
 
 from minillm.engine import LLM, SamplingParams
 from minillm.engine.config import EngineConfig, EngineOptionError
-from minillm.model.config import ModelConfig
 from minillm.model.gpt import GPT
 from minillm.speedups import decode_graphs
 from minillm.speedups.decode_graphs import DecodeGraphs
 from tests.test_decode_graphs import _fake_capture
+from tests.test_engine import model  # noqa: F401  (the fixture: peaky logits, no near-ties)
 
 SHARED = list(range(300, 318))  # a prefix two blocks of 8 long: later prompts hit the prefix cache
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-
-
-@pytest.fixture(scope="module")
-def model() -> GPT:
-    torch.manual_seed(0)
-    m = GPT(ModelConfig(context_length=96, d_model=64, n_layers=2, n_heads=4)).eval()
-    with torch.no_grad():  # peaky logits: greedy decoding has no near-ties to break differently
-        for p in m.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
-    return m
 
 
 def workload(stop_token: int = 0, stop_text: str = "\x00") -> tuple[list[list[int]], list[SamplingParams]]:
@@ -256,3 +245,18 @@ def test_the_server_streams_what_the_serial_engine_serves(model: GPT) -> None:
 
     serial, overlapped = asyncio.run(answers(False)), asyncio.run(answers(True))
     assert overlapped == serial and serial[1] == serial[0][: serial[0].index(serial[0][len(serial[0]) // 2:][:3])]
+
+
+def test_the_device_thread_runs_with_the_engines_torch_threads(model: GPT) -> None:
+    """A new thread starts with torch's default thread count; a compiled step traced under
+    another count would fail its guards and recompile at every call on the device thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = LLM(model, block_size=8, async_scheduling=True)
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+        assert llm.engine.runner._device_thread.submit(torch.get_num_threads).result() == 1
+        llm.close()
+        assert llm.engine.runner._device_thread is None
+    finally:
+        torch.set_num_threads(before)

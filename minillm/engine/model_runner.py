@@ -140,8 +140,10 @@ class ModelRunner:
         the device while the host goes on, and the sampled tokens come back through a copy
         queued right behind them, so reading them waits for this step only, not the next."""
         if self.device.type != "cuda":
-            if self._device_thread is None:
-                self._device_thread = ThreadPoolExecutor(1, thread_name_prefix="minillm-device")
+            if self._device_thread is None:  # with this thread's torch threads (a new thread has the default)
+                self._device_thread = ThreadPoolExecutor(1, thread_name_prefix="minillm-device",
+                                                         initializer=torch.set_num_threads,
+                                                         initargs=(torch.get_num_threads(),))
             return StepResult(self._device_thread.submit(self.execute_prepared, step).result)
         computed = self.compute(step)
         computed.tokens = computed.tokens.to("cpu", non_blocking=True)

@@ -142,10 +142,15 @@ class DecodeGraphs:
         self.prepare_seconds: dict[int, float] = {}
         if self.mode == "compile":
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir("inductor")))
-            # Every bucket is one more compiled version of ``DecodeStep.forward``; past Dynamo's limit
-            # (8 by default) it would quietly run the rest eagerly.
-            dynamo = torch._dynamo.config
-            dynamo.recompile_limit = max(dynamo.recompile_limit, 4 * len(self.buckets))
+            self._allow_recompiles()
+
+    def _allow_recompiles(self) -> None:
+        """Every bucket is one more compiled version of ``DecodeStep.forward``, past Dynamo's
+        limit (8 by default) a failure. The limit is per thread: an overlapped engine runs the
+        programs on a thread of its own, which compiles its own versions, so ``run`` sets it too."""
+        dynamo = torch._dynamo.config
+        if dynamo.recompile_limit < 4 * len(self.buckets):
+            dynamo.recompile_limit = 4 * len(self.buckets)
 
     @property
     def max_batch(self) -> int:
@@ -193,6 +198,8 @@ class DecodeGraphs:
             sampled: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[n, vocab]`` (float32) and their argmax ``[n]`` for the ``n`` staged decodes;
         ``pending`` rows take their token from the previous step's ``sampled`` ones."""
+        if self.mode == "compile":
+            self._allow_recompiles()
         n = staged.rows.shape[0]
         b = self.bucket(n)
         self.fill(staged, b)
