@@ -123,6 +123,17 @@ def test_captured_steps_fill_pending_tokens_on_the_device(model: GPT, stops, mon
     assert len(replays) > 20
 
 
+def test_a_step_queued_on_the_device_reads_back_behind_the_next(model: GPT, stops) -> None:
+    """A GPU's overlap queues step N+1 before reading N's tokens, from one thread: the same
+    code path, run on the CPU (where "queued" computes at once), serves what serial serves."""
+    prompts, params = workload(*stops)
+    reference = served(LLM(model, block_size=8, num_blocks=14, max_num_seqs=6, async_scheduling=False), prompts, params)
+    llm = LLM(model, block_size=8, num_blocks=14, max_num_seqs=6, async_scheduling=True)
+    llm.engine.runner.queues_on_device = True
+    assert_same(served(llm, prompts, params), reference)
+    assert llm.engine.runner._device_thread is None  # no thread was needed
+
+
 def test_the_next_step_starts_before_the_last_ones_tokens_are_appended(model: GPT) -> None:
     """The point of it all: step N+1 is submitted while step N's tokens are still unread."""
     llm = LLM(model, block_size=8, async_scheduling=True)

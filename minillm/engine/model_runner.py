@@ -71,6 +71,7 @@ class ComputedStep:
     tokens: torch.Tensor  # one sampled token per sampling chunk
     processed: Processed
     hidden: torch.Tensor | None  # the forward's rows, for the prompts being scored
+    host_tokens: torch.Tensor | None = None  # ``tokens`` copied to the host, once a queued copy lands
 
 
 @dataclass
@@ -125,6 +126,8 @@ class ModelRunner:
         self._sampling_rows: dict[int, int] = {}
         self._sampled: torch.Tensor | None = None  # the latest computed step's sampled tokens
         self._device_thread: ThreadPoolExecutor | None = None  # for submit on a CPU
+        # submit queues the step on the device and goes on, rather than hand it to a thread
+        self.queues_on_device = self.device.type == "cuda"
 
     def execute(self, output: SchedulerOutput) -> list[ChunkOutput]:
         """Run one step; returns, per chunk in ``output.chunks`` order, what it produced (see
@@ -136,20 +139,28 @@ class ModelRunner:
         next one meanwhile; the result's ``wait()`` gives its outputs.
 
         On a CPU the computation runs on a thread of its own (torch releases the interpreter's
-        lock inside its operators). On a GPU it is simply queued: the kernels run in order on
-        the device while the host goes on, and the sampled tokens come back through a copy
-        queued right behind them, so reading them waits for this step only, not the next."""
-        if self.device.type != "cuda":
+        lock inside its operators). On a GPU (``queues_on_device``) it is simply queued: the
+        kernels run in order on the device while the host goes on, and the sampled tokens come
+        back through a copy queued right behind them, so reading them waits for this step
+        only, not the next."""
+        if not self.queues_on_device:
             if self._device_thread is None:  # with this thread's torch threads (a new thread has the default)
                 self._device_thread = ThreadPoolExecutor(1, thread_name_prefix="minillm-device",
                                                          initializer=torch.set_num_threads,
                                                          initargs=(torch.get_num_threads(),))
             return StepResult(self._device_thread.submit(self.execute_prepared, step).result)
         computed = self.compute(step)
-        computed.tokens = computed.tokens.to("cpu", non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return StepResult(lambda: (done.synchronize(), self.read(computed))[1])
+        computed.host_tokens = computed.tokens.to("cpu", non_blocking=True)
+        done = torch.cuda.Event() if self.device.type == "cuda" else None
+        if done is not None:
+            done.record()
+
+        def wait() -> list[ChunkOutput]:
+            if done is not None:
+                done.synchronize()
+            return self.read(computed)
+
+        return StepResult(wait)
 
     def execute_prepared(self, step: PreparedStep) -> list[ChunkOutput]:
         """:meth:`compute` and :meth:`read` a prepared step: the device's half of every step,
@@ -249,7 +260,8 @@ class ModelRunner:
         step = computed.prepared
         tokens = computed.tokens
         results = {id(c): ChunkOutput([token], lp) for c, token, lp in
-                   zip(step.sampling, tokens.tolist(), computed.processed.logprobs(tokens))}
+                   zip(step.sampling, (tokens if computed.host_tokens is None else computed.host_tokens).tolist(),
+                       computed.processed.logprobs(tokens))}
         outputs = [results.get(id(c)) or ChunkOutput() for c in step.output.chunks]
         if computed.hidden is not None and any(c.seq.params.prompt_logprobs is not None for c in step.ordered):
             by_chunk = {id(c): out for c, out in zip(step.output.chunks, outputs)}
