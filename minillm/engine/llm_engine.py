@@ -208,9 +208,9 @@ class LLMEngine:
         tokens are appended: it overlaps nothing but stays exact."""
         output = self.scheduler.schedule(time.monotonic())  # if this raises, the step computing stays so
         previous, self._computing = self._computing, None
+        self.last_step = output
         results: list[RequestOutput] = []
         if not output.is_empty:
-            self.last_step = output
             if previous is not None and any(c.samples and _reads_history(c.seq) for c in output.chunks):
                 results, previous = self._collect(previous, output), None
             try:
