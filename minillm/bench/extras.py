@@ -1,7 +1,7 @@
 """What a request's extras cost its batch: ``python -m minillm.bench extras``.
 
 Penalties, a logit bias, logprobs and a JSON Schema each add work to the step that samples a
-row (:func:`minillm.engine.model_runner._choose`). The question a server cares about is what
+row (:meth:`minillm.engine.model_runner.ModelRunner.compute`). The question a server cares about is what
 that does to everyone's step: a batch of 32 decoding requests where one asks (its neighbours
 plain, greedy) and where all 32 ask, beside the same batch where none does.
 
