@@ -128,15 +128,11 @@ class Gate:
     fast or slow this machine is: a step runs only with a permit (``allow(n)`` grants ``n``;
     ``open()`` lets every step from then on run). Without one the engine thread makes an empty
     pass instead, in which it still applies its inbox (new requests, aborts, shutdown) exactly
-    as it does between real steps, and publishes fresh stats.
-
-    The engine runs serially, so a permit is one step's tokens, appended and published (an
-    overlapped engine appends each step's tokens during the next, and would hold a step in
-    flight, with its blocks, while the gate is shut)."""
+    as it does between real steps, and publishes fresh stats. A permit is one step's tokens,
+    appended and published: the engine must be serial (the default on a CPU)."""
 
     def __init__(self, engine: LLMEngine, monkeypatch) -> None:
-        assert not engine.has_unfinished  # nothing in flight when the engine turns serial
-        monkeypatch.setattr(engine, "overlap", False)
+        assert not engine.overlap  # an overlapped engine appends each step's tokens during the next
         self._permits = threading.Semaphore(0)
         self._open = threading.Event()
         step = engine.step

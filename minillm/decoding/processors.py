@@ -112,6 +112,13 @@ class Processed:
         return scored
 
 
+def shapes_logits(row: Row) -> bool:
+    """Whether a processor will change ``row``'s logits: each that does reads the request's
+    tokens so far (penalties count them, a grammar follows them), so its next logits cannot be
+    shaped before its latest token is known."""
+    return any(p.shapes and p.asks(row) for p in PROCESSORS)
+
+
 def process_(rows: list[Row], logits: torch.Tensor) -> Processed:
     """Run every processor of :data:`PROCESSORS`, in order, on the rows of ``logits`` (``[n,
     vocab]``, float, one row per request in ``rows``) that ask for it, in place."""

@@ -21,6 +21,7 @@ from minillm.engine.model_runner import ChunkOutput, DecodePrograms, ModelRunner
 from minillm.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from minillm.engine.sequence import RequestTimes, Sequence
 from minillm.decoding.logprobs import TokenLogprobs
+from minillm.decoding.processors import shapes_logits
 from minillm.model.gpt import GPT
 from minillm.decoding.sampling import FinishReason, SamplingParams, make_generator
 from minillm.decoding.structured import grammar_compiler
@@ -147,7 +148,7 @@ class LLMEngine:
         self.last_step: SchedulerOutput | None = None  # what the latest step ran, for timelines and dashboards
         # Overlap scheduling (config.async_scheduling): by default on a GPU, never for a split model
         overlap = config.async_scheduling if config.async_scheduling is not None else model.device.type == "cuda"
-        self.overlap = overlap and not _split(model)
+        self.overlap = overlap and config.tensor_parallel_size == config.pipeline_parallel_size == 1
         self._computing: tuple[SchedulerOutput, StepResult] | None = None  # the step computing, overlapped
 
     def add_request(
@@ -211,7 +212,7 @@ class LLMEngine:
         self.last_step = output
         results: list[RequestOutput] = []
         if not output.is_empty:
-            if previous is not None and any(c.samples and _reads_history(c.seq) for c in output.chunks):
+            if previous is not None and any(c.samples and shapes_logits(c.seq) for c in output.chunks):
                 results, previous = self._collect(previous, output), None
             try:
                 self._computing = (output, self.runner.submit(self.runner.prepare(output)))
@@ -368,17 +369,6 @@ class LLMEngine:
             batch_size=len(self.last_step.chunks) if self.last_step is not None else 0,
             computing=self._computing is not None,
         )
-
-
-def _split(model: GPT) -> bool:
-    """Whether ``model`` runs over several processes (rank 0 of a tensor or pipeline split)."""
-    return getattr(model, "world_size", 1) > 1 or getattr(model, "num_stages", 1) > 1
-
-
-def _reads_history(seq: Sequence) -> bool:
-    """Whether ``seq``'s next logits depend on its tokens so far (penalties, biases'
-    ``min_tokens``, a schema's grammar), so they cannot be shaped before the last is appended."""
-    return seq.params.adjusts or seq.grammar is not None
 
 
 def _plain_core(config: EngineConfig) -> Speedups:

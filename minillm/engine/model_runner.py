@@ -47,7 +47,7 @@ class PreparedStep:
     predecessor appended) while the step runs. ``ordered`` is its chunks decodes first (the
     order of the forward's rows), ``sampling`` the chunks that sample, in that order (the rows
     of the sampled tokens). A token still pending (sampled by the step before, not yet read
-    back) is a placeholder; ``pending`` says where to copy it from: ``(rows of this step's
+    back) is laid out as 0; ``pending`` says where to copy it from: ``(rows of this step's
     tokens, rows of the previous step's sampled tokens)``."""
 
     output: SchedulerOutput
@@ -180,9 +180,14 @@ class ModelRunner:
         later stages finish, so the engine can launch the next micro-batch; any other model
         runs the whole forward here. :meth:`collect` finishes the step."""
         step = self.prepare(output, captured=False)
-        start = getattr(self.model, "launch", self.model.hidden_states)
-        step.hidden = start(step.tokens[None], step.positions[None], step.attention)
+        self._forward(step, getattr(self.model, "launch", self.model.hidden_states))
         return step
+
+    def _forward(self, step: PreparedStep, start: Callable) -> None:
+        """Start an eager step's forward with ``start``, its pending tokens copied in first."""
+        if step.pending is not None:
+            step.tokens[step.pending[0]] = self._sampled[step.pending[1]]
+        step.hidden = start(step.tokens[None], step.positions[None], step.attention)
 
     def collect(self, step: PreparedStep) -> list[ChunkOutput]:
         """The rest of a step :meth:`launch` started."""
@@ -209,11 +214,11 @@ class ModelRunner:
             ends = list(accumulate(c.num_tokens for c in ordered))
             step.last_rows = torch.tensor([end - 1 for c, end in zip(ordered, ends) if c.samples],
                                           dtype=torch.long, device=self.device)
-        step.pending = self._placeholders(ordered)
+        step.pending = self._pending_sources(ordered)
         self._sampling_rows = {id(c.seq): i for i, c in enumerate(step.sampling)}
         return step
 
-    def _placeholders(self, ordered: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _pending_sources(self, ordered: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Where this step's pending tokens are (each at most one, a chunk's last: a decode's
         input) and the row of the previous step's sampled tokens that holds each."""
         rows, sources, row = [], [], 0
@@ -236,9 +241,7 @@ class ModelRunner:
             hidden = None
         else:
             if step.hidden is None:
-                if step.pending is not None:
-                    step.tokens[step.pending[0]] = self._sampled[step.pending[1]]
-                step.hidden = self.model.hidden_states(step.tokens[None], step.positions[None], step.attention)
+                self._forward(step, self.model.hidden_states)
             hidden = (step.hidden if isinstance(step.hidden, torch.Tensor) else step.hidden.wait())[0]
             greedy = None
             logits = self.model.logits(hidden[step.last_rows]).float() if step.sampling else None
@@ -287,7 +290,7 @@ class ModelRunner:
         return scored
 
     def flatten(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The step's tokens side by side (a pending one as 0, a placeholder), their
+        """The step's tokens side by side (a pending one as 0, copied in by :meth:`compute`), their
         positions, and the pool slot each one's key and value go to
         (:func:`~minillm.engine.kv_cache.slot_of`)."""
         tokens: list[int] = []

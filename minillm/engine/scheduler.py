@@ -241,9 +241,9 @@ class Scheduler:
         return True
 
     def newest_preemptible(self) -> Sequence | None:
-        """The newest running sequence with no step in flight (``busy``, or holding a pending
-        token, whose step may still write its blocks): the next to preempt."""
-        return next((s for s in reversed(self.running) if not s.num_steps_in_flight and s not in self._busy), None)
+        """The newest running sequence with no step in flight (an earlier micro-batch, or the
+        step an overlapped engine is computing, may still write its blocks): the next to preempt."""
+        return next((s for s in reversed(self.running) if not s.num_steps_in_flight), None)
 
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Take back all of ``seq``'s blocks and queue it first, to recompute later. Its
