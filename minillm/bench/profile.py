@@ -74,14 +74,13 @@ def instrument_phases(engine: LLMEngine, seconds: dict[str, float]) -> Callable[
     runner, model, graphs = engine.runner, engine.runner.model, engine.graphs
     patches = [
         (engine.scheduler, "schedule", "schedule"), (engine.scheduler, "postprocess", "bookkeeping"),
-        (engine, "_append", "bookkeeping"), (runner, "flatten", "step tensors"),
-        (runner, "decode_groups", "step tensors"), (runner, "prefill_chunks", "step tensors"),
+        (engine, "_append", "bookkeeping"), (runner, "prepare", "step tensors"),
         (model_runner, "process_", "sampling"), (model_runner, "sample", "sampling"), (runner, "read", "read back"),
     ]
     if graphs is None:
         patches += [(model, "hidden_states", "forward"), (model, "logits", "LM head")]
     else:  # the model's methods are inside the compiled program: wrapping them would recompile it
-        patches += [(graphs, "stage", "step tensors"), (graphs, "fill", "step tensors"),
+        patches += [(graphs, "fill", "step tensors"),
                     (graphs, "program", "forward + LM head")]
     patched = contextlib.ExitStack()
     for obj, name, phase in patches:

@@ -38,6 +38,24 @@ DECODE_GROUP = 16
 SCORE_CHUNK_ROWS = 256
 
 
+# The columns of a staged decode's row (:func:`stage_decodes`); its block table follows them
+TOKEN, POSITION, SLOT, LENGTH, SOURCE, TABLE = range(6)
+
+
+@dataclass(frozen=True)
+class StagedDecodes:
+    """Decodes' inputs copied out of their sequences in one pass, one host tensor (pinned when
+    the device is a GPU, so one non-blocking copy takes it there): ``rows`` ``[n, TABLE +
+    width]``, a decode each, holding its input token, position, slot and length (new token
+    included), the row of the previous step's sampled tokens that holds its token if that is
+    still pending (else -1: ``pending`` says whether any is), then the first ``width`` blocks of
+    its table (only those are ever read: the length masks the rest)."""
+
+    rows: torch.Tensor
+    width: int
+    pending: bool
+
+
 @dataclass
 class PreparedStep:
     """One step laid out by the thread that schedules, ready for the thread that computes.
@@ -46,20 +64,50 @@ class PreparedStep:
     tensors here, so the sequences may change (the next step scheduled, this one's
     predecessor appended) while the step runs. ``ordered`` is its chunks decodes first (the
     order of the forward's rows), ``sampling`` the chunks that sample, in that order (the rows
-    of the sampled tokens). A token still pending (sampled by the step before, not yet read
-    back) is laid out as 0; ``pending`` says where to copy it from: ``(rows of this step's
-    tokens, rows of the previous step's sampled tokens)``."""
+    of the sampled tokens). The decodes are ``staged`` (a pending token is copied in on the
+    device, from the previous step's sampled tokens, when the step computes); a captured step
+    needs nothing else, an eager one its other tensors on the device."""
 
     output: SchedulerOutput
     ordered: list[ScheduledChunk]
     sampling: list[ScheduledChunk]
-    pending: tuple[torch.Tensor, torch.Tensor] | None = None
-    staged: object | None = None  # for a captured step: what DecodePrograms.stage made
-    tokens: torch.Tensor | None = None  # for an eager step: the flat batch, and its attention
+    staged: StagedDecodes | None = None
+    captured: bool = False
+    decode_rows: torch.Tensor | None = None  # for an eager step: ``staged.rows`` on the device
+    prefill_tokens: torch.Tensor | None = None  # the prefill chunks' tokens, after the decodes'
     positions: torch.Tensor | None = None
     attention: PagedAttention | None = None
-    last_rows: torch.Tensor | None = None  # the flat row of each sampling chunk's last token
+    last_rows: torch.Tensor | None = None  # the flat row of each sampling chunk's last token (None: every row)
     hidden: object = None  # once launched eagerly: hidden states, or something whose wait() gives them
+
+
+def with_pending(rows: torch.Tensor, pending: bool, sampled: torch.Tensor | None) -> torch.Tensor:
+    """The tokens of staged decode ``rows`` (on the device), each pending one (if ``pending``)
+    taken from the previous step's ``sampled`` tokens: a gather and a select, no read-back."""
+    tokens = rows[:, TOKEN]
+    if not pending:
+        return tokens
+    sources = rows[:, SOURCE]
+    return torch.where(sources >= 0, sampled[sources.clamp(min=0)], tokens)
+
+
+def stage_decodes(decodes: list[ScheduledChunk], pool: PagedKVPool,
+                  sources: dict[int, int] | None = None) -> StagedDecodes:
+    """Stage ``decodes`` (:class:`StagedDecodes`) in one pass; ``sources`` maps a sequence (by
+    ``id``) whose token is pending to its row among the previous step's sampled tokens."""
+    bs, pad = pool.block_size, pool.pad_block
+    width = -(-(max((c.start for c in decodes), default=0) + 1) // bs)
+    rows, pending = [], False
+    for c in decodes:
+        seq, p = c.seq, c.start
+        table = seq.block_table[:width]
+        if p < len(seq.token_ids):
+            head = [seq.token_ids[p], p, table[p // bs] * bs + p % bs, p + 1, -1]
+        else:
+            head, pending = [0, p, table[p // bs] * bs + p % bs, p + 1, sources[id(seq)]], True  # type: ignore[index]
+        rows.append(head + table + [pad] * (width - len(table)))
+    host = torch.tensor(rows, dtype=torch.long).view(len(rows), TABLE + width)
+    return StagedDecodes(host.pin_memory() if pool.k.is_cuda else host, width, pending)
 
 
 @dataclass
@@ -95,17 +143,14 @@ class StepResult:
 
 class DecodePrograms(Protocol):
     """Another way to run a step of up to ``max_batch`` decodes than the eager forward (the
-    captured programs of :mod:`minillm.speedups.decode_graphs`): ``stage`` copies the decodes'
-    inputs out of their sequences (on the scheduling thread); ``run`` loads them, copies the
-    tokens ``pending`` names from ``sampled`` (:class:`PreparedStep`), and returns the rows'
-    logits ``[n, vocab]`` (float32) and their argmax ``[n]``."""
+    captured programs of :mod:`minillm.speedups.decode_graphs`): ``run`` loads the staged
+    decodes (:class:`StagedDecodes`), their pending tokens taken from ``sampled``
+    (:func:`with_pending`), and returns the rows' logits ``[n, vocab]`` (float32) and their
+    argmax ``[n]``."""
 
     max_batch: int
 
-    def stage(self, decodes: list[ScheduledChunk]) -> object: ...
-
-    def run(self, staged: object, pending: tuple[torch.Tensor, torch.Tensor] | None = None,
-            sampled: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def run(self, staged: StagedDecodes, sampled: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class ModelRunner:
@@ -185,9 +230,10 @@ class ModelRunner:
 
     def _forward(self, step: PreparedStep, start: Callable) -> None:
         """Start an eager step's forward with ``start``, its pending tokens copied in first."""
-        if step.pending is not None:
-            step.tokens[step.pending[0]] = self._sampled[step.pending[1]]
-        step.hidden = start(step.tokens[None], step.positions[None], step.attention)
+        tokens = with_pending(step.decode_rows, step.staged.pending, self._sampled)
+        if step.prefill_tokens is not None:
+            tokens = torch.cat([tokens, step.prefill_tokens])
+        step.hidden = start(tokens[None], step.positions[None], step.attention)
 
     def collect(self, step: PreparedStep) -> list[ChunkOutput]:
         """The rest of a step :meth:`launch` started."""
@@ -195,56 +241,51 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prepare(self, output: SchedulerOutput, captured: bool | None = None) -> PreparedStep:
-        """Copy one step out of its sequences: decodes sorted by length, then prefill chunks;
-        as a captured program's inputs when the step is decodes only and fits one (or
-        ``captured`` says), else as the eager forward's tokens, positions and attention."""
+        """Copy one step out of its sequences: decodes sorted by length, staged in one pass
+        (:func:`stage_decodes`), then prefill chunks; as a captured program's inputs when the
+        step is decodes only and fits one (or ``captured`` says), else as the eager forward's
+        tokens, positions and attention, with one copy to the device for the decodes and one
+        for the prefills."""
         decodes = sorted((c for c in output.chunks if c.num_tokens == 1), key=lambda c: c.start)
         prefills = [c for c in output.chunks if c.num_tokens > 1]
         ordered = decodes + prefills
-        step = PreparedStep(output, ordered, [c for c in ordered if c.samples])
+        sampling = [c for c in ordered if c.samples]
+        step = PreparedStep(output, ordered, sampling, stage_decodes(decodes, self.pool, self._sampling_rows))
+        self._sampling_rows = {id(c.seq): i for i, c in enumerate(sampling)}
         if captured is None:
             captured = self.graphs is not None and not prefills and len(decodes) <= self.graphs.max_batch
+        step.captured = captured
         if captured:
-            step.staged = self.graphs.stage(decodes)
-        else:
-            tokens, positions, slots = self.flatten(ordered)
-            step.tokens, step.positions = tokens, positions
-            step.attention = PagedAttention(self.pool, slots, self.decode_groups(decodes),
-                                            self.prefill_chunks(prefills, offset=len(decodes)), backend=self.attention)
+            return step
+        step.decode_rows = rows = step.staged.rows.to(self.device, non_blocking=True)
+        positions, slots = rows[:, POSITION], rows[:, SLOT]
+        if prefills:
+            tokens, prefill_positions, prefill_slots = self.flatten(prefills)
+            step.prefill_tokens = tokens
+            positions, slots = torch.cat([positions, prefill_positions]), torch.cat([slots, prefill_slots])
+        step.positions = positions
+        step.attention = PagedAttention(self.pool, slots, self.decode_groups(decodes, rows),
+                                        self.prefill_chunks(prefills, offset=len(decodes)), backend=self.attention)
+        if len(sampling) < len(ordered) or prefills:
             ends = list(accumulate(c.num_tokens for c in ordered))
             step.last_rows = torch.tensor([end - 1 for c, end in zip(ordered, ends) if c.samples],
                                           dtype=torch.long, device=self.device)
-        step.pending = self._pending_sources(ordered)
-        self._sampling_rows = {id(c.seq): i for i, c in enumerate(step.sampling)}
         return step
-
-    def _pending_sources(self, ordered: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Where this step's pending tokens are (each at most one, a chunk's last: a decode's
-        input) and the row of the previous step's sampled tokens that holds each."""
-        rows, sources, row = [], [], 0
-        for c in ordered:
-            row += c.num_tokens
-            if c.start + c.num_tokens > len(c.seq.token_ids):
-                rows.append(row - 1)
-                sources.append(self._sampling_rows[id(c.seq)])
-        if not rows:
-            return None
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        return as_tensor(rows), as_tensor(sources)
 
     @torch.inference_mode()
     def compute(self, step: PreparedStep) -> ComputedStep:
         """Run a prepared step's forward (unless :meth:`launch` started it) and sample its
         tokens, leaving them on the device."""
-        if step.staged is not None:
-            logits, greedy = self.graphs.run(step.staged, step.pending, self._sampled)
+        if step.captured:
+            logits, greedy = self.graphs.run(step.staged, self._sampled)
             hidden = None
         else:
             if step.hidden is None:
                 self._forward(step, self.model.hidden_states)
             hidden = (step.hidden if isinstance(step.hidden, torch.Tensor) else step.hidden.wait())[0]
             greedy = None
-            logits = self.model.logits(hidden[step.last_rows]).float() if step.sampling else None
+            last = hidden if step.last_rows is None else hidden[step.last_rows]
+            logits = self.model.logits(last).float() if step.sampling else None
         seqs = [c.seq for c in step.sampling]
         processed = process_(seqs, logits) if seqs else Processed()
         if not seqs:
@@ -290,9 +331,9 @@ class ModelRunner:
         return scored
 
     def flatten(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The step's tokens side by side (a pending one as 0, copied in by :meth:`compute`), their
-        positions, and the pool slot each one's key and value go to
-        (:func:`~minillm.engine.kv_cache.slot_of`)."""
+        """Prefill chunks' tokens side by side, their positions, and the pool slot each one's
+        key and value go to (:func:`~minillm.engine.kv_cache.slot_of`), in one copy to the
+        device. Every token of a prefill chunk is known: only a decode's input can be pending."""
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -300,25 +341,27 @@ class ModelRunner:
         for c in chunks:
             span = range(c.start, c.start + c.num_tokens)
             known = c.seq.token_ids[c.start : c.start + c.num_tokens]
-            tokens += known + [0] * (c.num_tokens - len(known))  # a pending token: filled in by compute
+            if len(known) < c.num_tokens:
+                raise RuntimeError(f"request {c.seq.request_id!r}: a chunk of {c.num_tokens} tokens from "
+                                   f"{c.start} reaches a token not sampled yet")
+            tokens += known
             positions += span
             slots += [slot_of(c.seq.block_table, p, bs) for p in span]
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        return as_tensor(tokens), as_tensor(positions), as_tensor(slots)
+        host = torch.tensor([tokens, positions, slots], dtype=torch.long)
+        return host.to(self.device, non_blocking=True).unbind(0)
 
-    def decode_groups(self, decodes: list[ScheduledChunk], group_size: int | None = None) -> list[DecodeGroup]:
+    def decode_groups(self, decodes: list[ScheduledChunk], rows: torch.Tensor,
+                      group_size: int | None = None) -> list[DecodeGroup]:
         """Decodes (already sorted by length) in groups of ``group_size`` (default
-        ``DECODE_GROUP``), each with its block tables padded to the group's longest (with the
-        pool's pad block, masked out by length)."""
+        ``DECODE_GROUP``), each with its block tables cut to the group's longest (the staged
+        ``rows`` pad them with the pool's pad block, masked out by length): views, no copy."""
         size = group_size or DECODE_GROUP
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         groups = []
         for start in range(0, len(decodes), size):
-            members = decodes[start : start + size]
-            lengths = [c.start + 1 for c in members]
-            width = -(-max(lengths) // self.pool.block_size)
-            tables = [self.pool.table_row(c.seq.block_table, width) for c in members]
-            groups.append(DecodeGroup(start, start + len(members), as_tensor(tables), as_tensor(lengths)))
+            end = min(start + size, len(decodes))
+            width = -(-(decodes[end - 1].start + 1) // self.pool.block_size)
+            members = rows[start:end]
+            groups.append(DecodeGroup(start, end, members[:, TABLE : TABLE + width], members[:, LENGTH]))
         return groups
 
     def prefill_chunks(self, prefills: list[ScheduledChunk], offset: int = 0) -> list[PrefillChunk]:

@@ -22,9 +22,9 @@ import torch
 import torch.nn as nn
 
 from minillm.speedups.graph_attention import PaddedDecodeAttention, decode_backend
-from minillm.engine.kv_cache import AttentionKernels, PagedKVPool, slot_of
+from minillm.engine.kv_cache import AttentionKernels, PagedKVPool
 from minillm.engine.memory import weight_bytes
-from minillm.engine.scheduler import ScheduledChunk
+from minillm.engine.model_runner import LENGTH, POSITION, TABLE, StagedDecodes, with_pending
 from minillm.model.gpt import GPT
 from minillm.settings import cache_dir
 from minillm.speedups.quant import is_quantized
@@ -84,15 +84,6 @@ class Capture:
 
     def __call__(self, pool: PagedKVPool) -> DecodeGraphs:
         return DecodeGraphs(self.model, pool, self.max_batch, self.kernels, self.mode)
-
-
-@dataclass(frozen=True)
-class StagedDecodes:
-    """A decode step's inputs on the host (:meth:`DecodeGraphs.stage`): ``rows`` ``[n, 4 +
-    width]``, token, position, slot and length, then a block table ``width`` blocks wide."""
-
-    rows: torch.Tensor
-    width: int
 
 
 class DecodeStep(nn.Module):
@@ -177,44 +168,27 @@ class DecodeGraphs:
             self.prepare_seconds[b] = time.perf_counter() - start
         return self._programs[b]
 
-    def stage(self, decodes: list[ScheduledChunk]) -> StagedDecodes:
-        """The decodes' inputs, copied out of their sequences into one host tensor, a row each:
-        token, position, slot, length, then the first ``width`` entries of its block table
-        (only those are ever read: ``lengths`` masks the rest). A pending token is staged as 0
-        and copied in on the device by :meth:`run`."""
-        bs = self.pool.block_size
-        width = -(-(max(c.start for c in decodes) + 1) // bs)
-        rows = [
-            [c.seq.token_ids[c.start] if c.start < len(c.seq.token_ids) else 0, c.start,
-             slot_of(c.seq.block_table, c.start, bs), c.start + 1]
-            + self.pool.table_row(c.seq.block_table, width)
-            for c in decodes
-        ]
-        host = torch.tensor(rows, dtype=torch.long)
-        return StagedDecodes(host.pin_memory() if self.tokens.is_cuda else host, width)
-
     @torch.inference_mode()
-    def run(self, staged: StagedDecodes, pending: tuple[torch.Tensor, torch.Tensor] | None = None,
-            sampled: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits ``[n, vocab]`` (float32) and their argmax ``[n]`` for the ``n`` staged decodes;
-        ``pending`` rows take their token from the previous step's ``sampled`` ones."""
+    def run(self, staged: StagedDecodes, sampled: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits ``[n, vocab]`` (float32) and their argmax ``[n]`` for the ``n`` staged decodes
+        (:func:`~minillm.engine.model_runner.stage_decodes`); a pending token is taken from the
+        previous step's ``sampled`` ones."""
         if self.mode == "compile":
             self._allow_recompiles()
         n = staged.rows.shape[0]
         b = self.bucket(n)
-        self.fill(staged, b)
-        if pending is not None:
-            self.tokens[pending[0]] = sampled[pending[1]]
+        self.fill(staged, b, sampled)
         logits, greedy = self.program(b)()
         return logits[:n], greedy[:n]
 
-    def fill(self, staged: StagedDecodes, b: int) -> None:
-        """Copy the staged rows into the buffers, in one copy to the device, and reset the
-        padding rows after them, up to the bucket ``b``."""
+    def fill(self, staged: StagedDecodes, b: int, sampled: torch.Tensor | None = None) -> None:
+        """Copy the staged rows into the buffers, in one copy to the device, pending tokens
+        taken from ``sampled``, and reset the padding rows after them, up to the bucket ``b``."""
         bs, n, width = self.pool.block_size, staged.rows.shape[0], staged.width
         packed = staged.rows.to(self.tokens.device, non_blocking=True)
-        self.tokens[:n], self.positions[:n], self.slots[:n], self.lengths[:n] = packed[:, :4].unbind(1)
-        self.tables[:n, :width] = packed[:, 4:]
+        self.tokens[:n] = with_pending(packed, staged.pending, sampled)
+        self.positions[:n], self.slots[:n], self.lengths[:n] = packed[:, POSITION : LENGTH + 1].unbind(1)
+        self.tables[:n, :width] = packed[:, TABLE:]
         if b > n:
             self.tokens[n:b] = 0
             self.positions[n:b] = 0

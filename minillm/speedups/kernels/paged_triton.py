@@ -66,6 +66,10 @@ def paged_decode_attention(
         raise ValueError("the pools' last dimension must be contiguous")
     block_size = k_pool.shape[1]
     q = q if q.stride(-1) == 1 else q.contiguous()
+    # the kernel steps through a table's row and through the lengths one entry at a time (the
+    # engine hands in columns of its staged rows, which are strided)
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    lengths = lengths.contiguous()
     batch, heads, d = q.shape
     out = torch.empty_like(q)
     paged_decode_kernel[(batch, heads)](
