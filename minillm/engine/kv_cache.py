@@ -185,9 +185,12 @@ class PagedAttention:
             raise ValueError(f"attention must be 'torch', 'torch-loop' or AttentionKernels, got {backend!r}")
         self.pool, self.slot_mapping, self.decodes, self.prefills = pool, slot_mapping, decodes, prefills
         self.backend = backend
-        if backend == "torch":  # every layer masks the same positions: once a step, not once a layer
-            for group in decodes:
-                group.mask = decode_mask(group.lengths, group.tables.shape[1] * pool.block_size)
+        if backend == "torch" and decodes:  # every layer masks the same positions: once a step, not once a layer
+            lengths = decodes[0].lengths if len(decodes) == 1 else torch.cat([g.lengths for g in decodes])
+            mask = decode_mask(lengths, max(g.tables.shape[1] for g in decodes) * pool.block_size)
+            for group in decodes:  # each group's rows, as wide as its tables
+                group.mask = mask[group.start - decodes[0].start : group.end - decodes[0].start,
+                                  ..., : group.tables.shape[1] * pool.block_size]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_slots, v_slots = self.pool.slots(layer)

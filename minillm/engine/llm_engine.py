@@ -19,7 +19,7 @@ from minillm.engine.kv_cache import AttentionKernels, PagedKVPool
 from minillm.engine.memory import MemorySplit, measure
 from minillm.engine.model_runner import ChunkOutput, DecodePrograms, ModelRunner, StepResult
 from minillm.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from minillm.engine.sequence import RequestTimes, Sequence
+from minillm.engine.sequence import RequestTimes, Sequence, SequenceStatus
 from minillm.decoding.logprobs import TokenLogprobs
 from minillm.decoding.processors import shapes_logits
 from minillm.model.gpt import GPT
@@ -268,52 +268,54 @@ class LLMEngine:
         results: list[RequestOutput] = []
         try:
             for chunk, made in zip(output.chunks, produced):
-                if chunk.seq.is_finished:
+                if chunk.seq.status is SequenceStatus.FINISHED:
                     continue
-                self._prefill_tokens += 0 if chunk.is_decode else chunk.num_tokens
+                if not chunk.is_decode:
+                    self._prefill_tokens += chunk.num_tokens
                 if made.prompt_logprobs:
                     chunk.seq.record_prompt_logprobs(chunk.start, made.prompt_logprobs)
                 if made.tokens:
-                    results.append(self._append(chunk, made, now))
+                    results.append(self._append(chunk.seq, made, now))
         finally:  # even if appending failed, finished sequences must give their blocks back
             self.scheduler.postprocess(output)
         self._steps += 1
         return results
 
-    def _append(self, chunk: ScheduledChunk, made: ChunkOutput, now: float) -> RequestOutput:
+    def _append(self, seq: Sequence, made: ChunkOutput, now: float) -> RequestOutput:
         """Append a chunk's new tokens (several after an accepted draft) up to the one that
         finishes the request, and turn them into the text now safe to show. A request with
         ``max_tokens=0`` wanted its prompt scored only: its sampled token is dropped."""
-        seq, detok = chunk.seq, chunk.seq.detokenizer
+        detok, params = seq.detokenizer, seq.params
         first_output = seq.first_token_time is None
         tokens = made.tokens
-        if seq.params.max_tokens == 0:
+        if params.max_tokens == 0:
             seq.first_token_time, tokens = now, []
             seq.finish(FinishReason.LENGTH, now)
-        appended, text = [], []
-        for token in tokens:
+        text = []
+        for n, token in enumerate(tokens, 1):
             seq.append_token(token, now)
-            appended.append(token)
-            if not seq.params.stops_on(token, seq.eos_token_id):
+            if not params.stops_on(token, seq.eos_token_id):
                 text.append(detok.add(token))
-            if detok.stopped and not seq.is_finished:
+            if detok.stop_reason is not None and seq.status is not SequenceStatus.FINISHED:
                 seq.finish(FinishReason.STOP, now)
-            if seq.is_finished:
+            if seq.status is SequenceStatus.FINISHED:
+                tokens = tokens[:n]
                 break
-        if seq.is_finished and not detok.stopped:
+        finished = seq.status is SequenceStatus.FINISHED
+        if finished and detok.stop_reason is None:
             text.append(detok.flush())
-        self._generated += len(appended)
+        self._generated += len(tokens)
         return RequestOutput(
             seq.request_id,
-            appended,
-            "".join(text),
-            seq.is_finished,
+            tokens,
+            text[0] if len(text) == 1 else "".join(text),
+            finished,
             seq.finish_reason.value if seq.finish_reason else None,
             seq.prompt_len,
-            seq.num_output_tokens,
-            seq.times() if seq.is_finished else None,
-            made.logprobs[: len(appended)] if made.logprobs is not None else None,
-            seq.prompt_logprobs if first_output and seq.params.prompt_logprobs is not None else None,
+            len(seq.token_ids) - seq.prompt_len,
+            seq.times() if finished else None,
+            made.logprobs[: len(tokens)] if made.logprobs is not None else None,
+            seq.prompt_logprobs if first_output and params.prompt_logprobs is not None else None,
             min(seq.num_cached_prompt_tokens, seq.prompt_len),
         )
 

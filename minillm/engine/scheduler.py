@@ -212,17 +212,18 @@ class Scheduler:
         """One chunk per running sequence not ``busy``, oldest first, while the token budget
         lasts. Preemption takes sequences from the end of ``running``, which this loop has not
         reached yet, so no scheduled chunk ever loses its blocks."""
+        busy, limit = self._busy, self.max_num_batched_tokens
         i = 0
-        while i < len(self.running) and (budget := self._budget_left(out)) > 0 and len(out.chunks) < self._max_seqs:
+        while i < len(self.running) and (budget := limit - out.num_batched_tokens) > 0 and len(out.chunks) < self._max_seqs:
             seq = self.running[i]
-            if seq in self._busy or seq.awaits_last_token:
-                i += 1
+            i += 1
+            if seq in busy or seq.awaits_last_token:
                 continue
-            end = min(seq.num_tokens, seq.num_computed_tokens + budget)
+            start = seq.num_computed_tokens
+            end = min(seq.num_tokens, start + budget)
             if not self.make_room(seq, end, out):
                 break  # seq itself was the newest and is now preempted: nobody after it
-            out.add(ScheduledChunk(seq, seq.num_computed_tokens, end - seq.num_computed_tokens))
-            i += 1
+            out.add(ScheduledChunk(seq, start, end - start))
 
     def make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Give ``seq`` blocks for ``num_tokens`` tokens, preempting the newest running
@@ -302,21 +303,22 @@ class Scheduler:
         blocks back once no step in flight holds it.
         """
         finished = []
+        commit = self.allocator.commit
         for chunk in output.chunks:
             seq = chunk.seq
             seq.num_steps_in_flight -= 1
+            done = seq.status is SequenceStatus.FINISHED
             if seq.finish_reason is not FinishReason.ABORT:
-                if chunk.samples and not seq.is_finished:
+                if chunk.samples and not done:
                     seq.num_computed_tokens = max(seq.num_computed_tokens, seq.num_tokens - 1)
-                # before freeing, so a finished prompt can still be hit
-                self.allocator.commit(seq, chunk.start + chunk.num_tokens)
-            if seq.is_finished:
+                commit(seq, chunk.start + chunk.num_tokens)  # before freeing, so a finished prompt can still be hit
+            if done:
                 if self._requests.get(seq.request_id) is seq:
                     del self._requests[seq.request_id]
                     finished.append(seq)
                 self._release_if_idle(seq)
         if finished:
-            self.running = [s for s in self.running if not s.is_finished]
+            self.running = [s for s in self.running if s.status is not SequenceStatus.FINISHED]
         return finished
 
     def _release_if_idle(self, seq: Sequence) -> None:

@@ -159,20 +159,23 @@ class Sequence:
         bug in the caller (for example a sequence aborted while its step ran), so it raises
         instead of silently growing a finished answer.
         """
-        if self.is_finished:
+        if self.status is SequenceStatus.FINISHED:
             raise RuntimeError(f"request {self.request_id!r} is finished ({self.finish_reason}); cannot append")
-        if self.grammar is not None:
-            self.grammar.accept(token)
+        grammar = self.grammar
+        if grammar is not None:
+            grammar.accept(token)
         self.token_ids.append(token)
-        self.num_pending = max(0, self.num_pending - 1)
+        if self.num_pending:
+            self.num_pending -= 1
         if self.first_token_time is None:
             self.first_token_time = now
         self.token_times.append(now)
-        if self.grammar is not None and self.grammar.done:
+        if grammar is not None and grammar.done:
             reason: FinishReason | None = FinishReason.STOP
         else:
-            reason = self.params.finish_reason(token, self.num_output_tokens, self.eos_token_id,
-                                               len(self.token_ids) >= self.max_model_len)
+            length = len(self.token_ids)
+            reason = self.params.finish_reason(token, length - self.prompt_len, self.eos_token_id,
+                                               length >= self.max_model_len)
         if reason is not None:
             self.finish(reason, now)
 
