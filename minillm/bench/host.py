@@ -19,6 +19,7 @@ server's share: the engine loop's hand-off, the event loop, JSON and server-sent
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -85,6 +87,61 @@ def _overlapped_timing(engine, steps: int, block: int = 10) -> Timing:
         synchronize(engine.model.device)
         per_step.append((time.perf_counter() - start) / block)
     return Timing.of(per_step)
+
+
+# What the timeline records, by lane: the scheduling thread's phases, and the step's computation
+# (forward, sampling and reading the tokens back) wherever it runs
+TIMELINE_PHASES = {"schedule": "host", "prepare": "host", "append": "host", "compute": "device"}
+
+
+def step_timeline(engine, steps: int) -> list[dict]:
+    """Run ``steps`` steps of ``engine`` and record when each phase ran: a list of spans
+    ``{"lane", "phase", "start", "end"}`` (seconds since the first step began). The host lane
+    holds scheduling, preparing and appending; the device lane the computation, on the device
+    thread of an overlapped engine on a CPU, on the same thread as the rest for a serial one."""
+    spans: list[dict] = []
+    origin = time.perf_counter()
+
+    def recorded(phase: str, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spans.append({"lane": TIMELINE_PHASES[phase], "phase": phase,
+                              "start": start - origin, "end": time.perf_counter() - origin})
+        return run
+
+    patches = [(engine.scheduler, "schedule", "schedule"), (engine.runner, "prepare", "prepare"),
+               (engine, "_finish_step", "append"), (engine.runner, "execute_prepared", "compute")]
+    with contextlib.ExitStack() as stack:
+        for obj, name, phase in patches:
+            stack.enter_context(mock.patch.object(obj, name, recorded(phase, getattr(obj, name))))
+        for _ in range(steps):
+            engine.step()
+        synchronize(engine.model.device)
+    return sorted(spans, key=lambda s: s["start"])
+
+
+def timeline_figure(timelines: dict[str, list[dict]]):
+    """One panel per engine (``{title: step_timeline(...)}``), a host lane above a device
+    lane, each phase a bar where it ran: serial steps take turns, overlapped ones do not."""
+    import matplotlib.pyplot as plt
+
+    colors = {"schedule": "tab:orange", "prepare": "tab:green", "append": "tab:purple", "compute": "tab:blue"}
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(10, 1.6 * len(timelines) + 0.6), sharex=True, squeeze=False)
+    for ax, (title, spans) in zip(axes[:, 0], timelines.items()):
+        for phase, color in colors.items():
+            mine = [s for s in spans if s["phase"] == phase]
+            y = 1 if TIMELINE_PHASES[phase] == "host" else 0
+            ax.broken_barh([(s["start"] * 1e3, (s["end"] - s["start"]) * 1e3) for s in mine], (y + 0.1, 0.8),
+                           color=color, label=phase)
+        ax.set(yticks=[0.5, 1.5], yticklabels=["device", "host"], title=title)
+        ax.title.set_fontsize(9)
+    axes[0, 0].legend(ncol=4, fontsize=7, loc="upper right")
+    axes[-1, 0].set_xlabel("ms since the first step began")
+    fig.tight_layout()
+    return fig
 
 
 def fit(rows: list[dict]) -> dict[str, dict[str, float]]:
