@@ -4,7 +4,7 @@
 #   make lab    - JupyterLab on notebooks/
 #   make book   - the HTML book, offline, into _build/html
 #   make loadtest - a load sweep against a running server (start one with make serve first)
-#   make router - the router on http://127.0.0.1:8080 over two local replicas of the server (chapter 16)
+#   make router - the router on http://127.0.0.1:8080 over two local replicas of the server (chapter 17)
 #   make outputs - re-run every chapter at full size, in order, in place: the committed outputs the book shows
 #                  (about 80 minutes on two cores; run it alone on a quiet machine, after `make llamacpp`)
 #   make bench  - the engine benchmark (every generation method, one workload) into benchmarks/results

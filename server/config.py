@@ -105,9 +105,9 @@ FLAGS: list[tuple[str, Callable[[str], object], str]] = [
                                       "layers; one GPU each on CUDA); N batches are kept in flight so the stages "
                                       "overlap"),
     ("--attention", str.lower, "torch | torch-loop (chapter 8's one-sequence-at-a-time decode) | triton "
-                               "(chapter 15's kernels: a CUDA GPU and `pip install -e .[triton]`; on a CPU "
+                               "(chapter 16's kernels: a CUDA GPU and `pip install -e .[triton]`; on a CPU "
                                "Triton's interpreter, exact but very slow)"),
-    ("--speculative-draft", str, "speculative decoding (chapter 14): a draft model's checkpoint, or `ngram` for "
+    ("--speculative-draft", str, "speculative decoding (chapter 15): a draft model's checkpoint, or `ngram` for "
                                  "prompt lookup; it runs on steps that decode a single request, while batched "
                                  "steps decode one token per request as usual"),
     ("--num-speculative-tokens", int, "draft tokens per speculative step (with --speculative-draft)"),
@@ -120,7 +120,7 @@ FLAGS: list[tuple[str, Callable[[str], object], str]] = [
                                  "token dropped); --no-async-scheduling runs one step after another (the reference). "
                                  "Default: on a GPU; off on a CPU, whose cores the forward already keeps busy; never "
                                  "with --speculative-draft or a split model"),
-    ("--quantize", str.lower, "int8 | int4: weight-only quantization of the model's matrices (chapter 13); "
+    ("--quantize", str.lower, "int8 | int4: weight-only quantization of the model's matrices (chapter 14); "
                             "activations are then bf16 unless --dtype says otherwise"),
 ]
 

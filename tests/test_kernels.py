@@ -1,4 +1,4 @@
-"""Chapter 15 without Triton: the tiled PyTorch attention, the online softmax, the traffic model
+"""Chapter 16 without Triton: the tiled PyTorch attention, the online softmax, the traffic model
 against the code's own byte counts, and the engine's attention-backend switch."""
 
 import json

@@ -1,4 +1,4 @@
-"""Chapter 15's Triton kernels against the reference: causal, non-causal, ragged and paged.
+"""Chapter 16's Triton kernels against the reference: causal, non-causal, ragged and paged.
 
 On a CUDA machine they run compiled, on the GPU; elsewhere in Triton's interpreter on CPU
 tensors (``minillm.speedups.kernels.runtime``), which is slow, hence the small shapes. ``make test``

@@ -1,6 +1,6 @@
 """The quantization lab in its smoke size: every format measured, and the accounting adds up,
 on a model trained here for a few seconds so that its quality columns mean something.
-(Speed is not judged here, CI machines are too noisy; the figures live in chapter 13.)"""
+(Speed is not judged here, CI machines are too noisy; the figures live in chapter 14.)"""
 
 from __future__ import annotations
 

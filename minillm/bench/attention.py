@@ -1,4 +1,4 @@
-"""The attention benchmark (chapter 15): naive vs tiled vs PyTorch's fused kernel, and the engine
+"""The attention benchmark (chapter 16): naive vs tiled vs PyTorch's fused kernel, and the engine
 with each attention backend.
 
 On a CUDA GPU it times the naive three-kernel attention, the Triton FlashAttention kernel and

@@ -228,7 +228,7 @@ def plot(report: dict, path) -> None:
 
 
 def figure(report: dict, plt):
-    """The benchmark's figure (also shown inline by chapter 14)."""
+    """The benchmark's figure (also shown inline by chapter 15)."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
     styles = {"stories": "-", "out-of-domain": "--"}
     colors = {"draft model": "C0", "n-gram lookup": "C1"}

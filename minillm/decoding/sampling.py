@@ -253,7 +253,7 @@ def sample(
 
 def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution ``sample`` draws from, as float32 probabilities ``[n, vocab]``.
-    Speculative decoding's acceptance rule (chapter 14) needs it whole, and it must be the
+    Speculative decoding's acceptance rule (chapter 15) needs it whole, and it must be the
     sampler's own, or speculation would change what a request's settings mean."""
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     if not params.filters:

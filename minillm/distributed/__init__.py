@@ -1,4 +1,4 @@
-"""One model over several processes (chapter 16), on torch.distributed.
+"""One model over several processes (chapter 17), on torch.distributed.
 
 - ``workers``: the one bootstrap tensor and pipeline parallelism share: rank 0 starts worker
   processes, joins a process group with them, sends each step's inputs down a pipe, and

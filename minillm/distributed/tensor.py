@@ -54,7 +54,7 @@ def check_tensor_parallel_size(cfg: ModelConfig, world_size: int) -> None:
 
 def check_splittable(model: GPT, option: str = "tensor_parallel_size (--tensor-parallel-size)") -> None:
     """Splitting a model slices or moves its ``nn.Linear`` and ``nn.Embedding`` weights; a
-    model whose layers were replaced (quantized, chapter 13) is refused, naming ``option``."""
+    model whose layers were replaced (quantized, chapter 14) is refused, naming ``option``."""
     layers = [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.fc, b.mlp.proj)]
     if not all(type(m) is nn.Linear for m in layers) or type(model.tok_emb) is not TokenEmbedding:
         raise ValueError(

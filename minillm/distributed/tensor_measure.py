@@ -1,4 +1,4 @@
-"""Checking and timing tensor parallelism on this machine: the functions chapter 16 calls."""
+"""Checking and timing tensor parallelism on this machine: the functions chapter 17 calls."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 ``python -m server`` share.
 
 Each later chapter plugs in here rather than into the engine: load, cast or quantize (chapter
-13), split over processes (16), draft (14), pack, capture and pick kernels (12 and 15). A
+14), split over processes (17), draft (15), pack, capture and pick kernels (12 and 16). A
 failure one option caused raises :class:`EngineOptionError` naming it, for the server's flag.
 """
 
@@ -44,7 +44,7 @@ def build_engine(
     path, loaded onto ``device``, the CPU by default). ``quantize="int8"`` or ``"int4"`` stores
     the matrices in that many bits, with bf16 activations unless ``dtype`` says otherwise.
     ``speculative_draft`` (a draft ``GPT``, its checkpoint, or ``"ngram"``) speculates
-    ``num_speculative_tokens`` on lone decodes (chapter 14). Split models start worker
+    ``num_speculative_tokens`` on lone decodes (chapter 15). Split models start worker
     processes, which ``engine.close()`` stops."""
     config = config or EngineConfig()
     check_options(config, dtype=dtype, quantize=quantize, speculative_draft=speculative_draft,
@@ -125,7 +125,7 @@ def packed_if_asked(model: GPT, config: EngineConfig) -> GPT:
 
 
 def attention_kernels(attention: str, device: torch.device) -> AttentionKernels | None:
-    """Chapter 15's Triton kernels for ``attention="triton"`` (None for the others), checked
+    """Chapter 16's Triton kernels for ``attention="triton"`` (None for the others), checked
     now to run on ``device`` rather than failing in the first request."""
     if attention != "triton":
         return None

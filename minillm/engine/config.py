@@ -49,7 +49,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     pipeline_micro_batches: int | None = None
-    attention: str = "torch"  # "triton": chapter 15's kernels (CUDA, or the interpreter on a CPU)
+    attention: str = "torch"  # "triton": chapter 16's kernels (CUDA, or the interpreter on a CPU)
     # Decode-only steps as captured programs (minillm.speedups.decode_graphs, wired in by build_engine):
     # True keeps every step eager (the reference); False captures wherever the model allows (not
     # a tensor-parallel or quantized one); None captures where it is cheap: a CUDA graph records

@@ -20,13 +20,13 @@ from minillm.model.config import ModelConfig
 from minillm.model.gpt import fused_attention
 
 # How decodes attend: "torch" gathers length-sorted groups, one fused call each; "torch-loop"
-# one sequence at a time (chapter 8's foil); "triton" by chapter 15's kernels, in place.
+# one sequence at a time (chapter 8's foil); "triton" by chapter 16's kernels, in place.
 ATTENTION_BACKENDS = ("torch", "torch-loop", "triton")
 
 
 @dataclass(frozen=True)
 class AttentionKernels:
-    """Kernels that read the pool in place (chapter 15's, handed in by ``build_engine``):
+    """Kernels that read the pool in place (chapter 16's, handed in by ``build_engine``):
     ``decode`` has :func:`gather_decode_attention`'s signature, ``prefill(q, k, v)`` is causal."""
 
     name: str

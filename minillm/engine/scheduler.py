@@ -13,7 +13,7 @@ under ``max_num_seqs``, ``max_num_batched_tokens`` and the pool's free blocks, a
    does not fit stops admission: nobody overtakes it, so nobody starves.
 3. With speculative decoding, a lone decode also gets lookahead slots for its draft
    (:meth:`Scheduler.reserve_lookahead`), so the scheduler stays the only one handing out blocks.
-4. An engine with several steps in flight (pipeline micro-batches, chapter 16) names the
+4. An engine with several steps in flight (pipeline micro-batches, chapter 17) names the
    sequences still in one (``busy``): neither scheduled again nor preempted.
 
 Scheduling a chunk counts its positions as computed and its sampled token as pending (see
@@ -191,7 +191,7 @@ class Scheduler:
 
     def reserve_lookahead(self, out: SchedulerOutput) -> None:
         """Room for draft tokens when this step's whole batch is one decode (where speculation
-        pays, chapter 14), cut to what the request can still use, and from free blocks only:
+        pays, chapter 15), cut to what the request can still use, and from free blocks only:
         no one is preempted for a draft."""
         if len(out.chunks) != 1 or not out.chunks[0].is_decode:
             return

@@ -46,7 +46,7 @@ PRESETS: dict[str, ModelConfig] = {
     # The book's default on a laptop CPU: trains in about ten minutes on two cores. Most of
     # its 11.5M parameters are the 50,257 x 192 embedding; the four blocks hold 1.8M.
     "cpu": ModelConfig(context_length=256, d_model=192, n_layers=4, n_heads=4),
-    # Chapter 14's draft model, trained on the same corpus and tokenizer as "cpu". A decode
+    # Chapter 15's draft model, trained on the same corpus and tokenizer as "cpu". A decode
     # step's cost is reading the weights, and the 50,257-row output matrix dominates them, so
     # the lever that makes a draft cheap is d_model (a third of cpu's: a third of the bytes),
     # not its layer count. 3.3M parameters, 97% of them the tied embedding.

@@ -26,7 +26,7 @@ SCHEMES = ("int8", "int4")
 DEFAULT_GROUP_SIZE = 32
 INT8_MAX = 127
 INT4_MAX = 7  # symmetric: [-7, 7], stored as q + 8 in [1, 15]
-# When the fused CPU kernels pay (chapter 13): bf16 activations (their fp32 and fp16 paths are
+# When the fused CPU kernels pay (chapter 14): bf16 activations (their fp32 and fp16 paths are
 # many times slower) and few rows; their time grows with the rows, while dequantizing costs the
 # same for any, so a prefill dequantizes. The crossover moved from 16 to 128 rows between runs;
 # 64 keeps every decode batch fused.

@@ -1,4 +1,4 @@
-"""Attention kernels (chapter 15): the FlashAttention idea, from readable to fast.
+"""Attention kernels (chapter 16): the FlashAttention idea, from readable to fast.
 
 - ``tiled``: the online-softmax recurrence in plain PyTorch, block by block, counting bytes;
   plus the naive three-kernel attention it is measured against.

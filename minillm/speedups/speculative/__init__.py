@@ -1,4 +1,4 @@
-"""Speculative decoding (chapter 14).
+"""Speculative decoding (chapter 15).
 
 - ``rule``: the acceptance rule that keeps the target's distribution, and the plain loop.
 - ``drafters``: who guesses: a small model, or n-grams looked up in the prompt.

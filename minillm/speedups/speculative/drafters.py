@@ -1,4 +1,4 @@
-"""The two drafters of speculative decoding (chapter 14): a small model, and a lookup.
+"""The two drafters of speculative decoding (chapter 15): a small model, and a lookup.
 
 Both answer ``propose(tokens, k, params, generator) -> Draft``: the sequence's likely next
 ``k`` tokens. :class:`ModelDrafter` runs a smaller GPT with the same tokenizer, ``k`` small

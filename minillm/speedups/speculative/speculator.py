@@ -2,7 +2,7 @@
 
 Speculation applies only when a step's whole batch is one decode (the server's batch-1 case,
 ``LLM.generate`` of one prompt): batching already spends the slack of a memory-bound decode
-step that drafts would spend, so the two compete for the same resource (chapter 14).
+step that drafts would spend, so the two compete for the same resource (chapter 15).
 
 It plugs in beside the engine's core, as vLLM keeps speculation a proposer beside its workers:
 the scheduler reserves the draft's slots in the sequence's blocks
@@ -103,7 +103,7 @@ class SpeculativeRunner:
     def verify(self, chunk: ScheduledChunk, draft: Draft) -> tuple[int, int]:
         """Run the target once over the sequence's last token and the ``draft``, writing their
         keys and values into its blocks, and return ``(n_accepted, next_token)`` by the
-        acceptance rule (chapter 14)."""
+        acceptance rule (chapter 15)."""
         runner, seq = self.runner, chunk.seq
         span = ScheduledChunk(seq, chunk.start, 1 + len(draft))
         (prefill,) = runner.prefill_chunks([span])
