@@ -49,7 +49,7 @@ class ServerConfig:
     max_connections: int = MAX_CONNECTIONS
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    attention: str = "torch"
+    attention: str | None = None
     speculative_draft: str | None = None
     num_speculative_tokens: int = 4
     quantize: str | None = None
@@ -106,7 +106,8 @@ FLAGS: list[tuple[str, Callable[[str], object], str]] = [
                                       "overlap"),
     ("--attention", str.lower, "torch | torch-loop (chapter 8's one-sequence-at-a-time decode) | triton "
                                "(chapter 16's kernels: a CUDA GPU and `pip install -e .[triton]`; on a CPU "
-                               "Triton's interpreter, exact but very slow)"),
+                               "Triton's interpreter, exact but very slow); default: triton on a CUDA GPU "
+                               "where Triton is installed, torch elsewhere"),
     ("--speculative-draft", str, "speculative decoding (chapter 15): a draft model's checkpoint, or `ngram` for "
                                  "prompt lookup; it runs on steps that decode a single request, while batched "
                                  "steps decode one token per request as usual"),

@@ -171,6 +171,27 @@ def test_attention_backend_is_checked() -> None:
         parse_args(["--attention", "flash"])
 
 
+def test_attention_by_default_is_the_paged_kernel_only_on_one_gpu_where_triton_compiles(monkeypatch) -> None:
+    """``attention=None`` takes the Triton kernels for a model on one CUDA device where Triton
+    compiles, and the torch path anywhere else, without asking for Triton there."""
+    from minillm.engine import build
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    asked = []
+    monkeypatch.setattr(runtime, "require_triton", lambda device: asked.append(device))
+    monkeypatch.setattr(build, "triton_compiles", lambda: True)
+    assert build.attention_kernels(EngineConfig(), cpu) is None
+    assert build.attention_kernels(EngineConfig(tensor_parallel_size=2), cuda) is None
+    assert build.attention_kernels(EngineConfig(pipeline_parallel_size=2), cuda) is None
+    assert build.attention_kernels(EngineConfig(attention="torch"), cuda) is None
+    assert asked == []
+    kernels = build.attention_kernels(EngineConfig(), cuda)
+    assert kernels is not None and kernels.name == "triton" and asked == [cuda]
+    monkeypatch.setattr(build, "triton_compiles", lambda: False)  # not installed, or interpreting
+    assert build.attention_kernels(EngineConfig(), cuda) is None
+    assert parse_args([]).engine_config().attention is None
+
+
 def test_triton_backend_fails_at_startup_where_it_cannot_run(monkeypatch) -> None:
     model = GPT(ModelConfig(context_length=32, d_model=32, n_layers=1, n_heads=2))
     monkeypatch.setattr(runtime, "triton_installed", lambda: False)

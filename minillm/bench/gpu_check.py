@@ -69,9 +69,10 @@ STEPS = tuple(Step(name, title, share, f"minillm.bench.gpu_steps:{name}") for na
     ("machine", "GPU, versions, bandwidth, matmul FLOP/s, ridge, decode points under the roof", 0.10),
     ("cuda_tests", "pytest -m cuda: the Triton kernels against SDPA, the engine on CUDA", 0.15),
     ("host", "python -m minillm.bench host: the host's µs per step, serial and overlapped", 0.08),
-    ("attention", "python -m minillm.bench attention: naive, Triton, SDPA", 0.10),
-    ("decode", "engine decode tokens/s, eager and CUDA graphs, beside transformers generate", 0.22),
-    ("training", "training tokens/s and MFU, torch.compile off and on; an epoch's time", 0.15),
+    ("attention", "python -m minillm.bench attention: naive, Triton, SDPA", 0.07),
+    ("decode", "engine decode tokens/s, eager and CUDA graphs (overlapped and serial, Triton and torch "
+               "attention), beside transformers generate", 0.28),
+    ("training", "training tokens/s and MFU, torch.compile off and on; an epoch's time", 0.12),
     ("server", "the server under a short load sweep (server.loadgen)", 0.20),
 ))
 

@@ -170,13 +170,17 @@ def attention(ctx) -> None:
 
 def decode(ctx) -> None:
     """Step 5: our engine's decode tokens/s at batch 1..256, eager and captured (CUDA graphs on
-    a GPU), beside ``transformers`` ``generate``, each as a fraction of the roof (reading every
+    a GPU; overlapped and serial; the paged Triton kernel and the torch gather), beside
+    ``transformers`` ``generate``, each as a fraction of the roof (reading every
     weight once per step at the measured bandwidth): :func:`minillm.bench.decode.run_decode_bench`."""
     preset, dtype = shape(ctx)
     device = ctx.device
     engines = {m: o for m, o in decode_bench.ENGINES.items() if not o.get("pack_weights")}  # oneDNN: CPUs only
     if ctx.dry_run:  # a CPU's captured step is an Inductor compile: minutes on two cores, and not the GPU's path
         engines = {m: o for m, o in engines.items() if o.get("enforce_eager")}
+    else:  # the captured step's defaults on a GPU (overlapped, the paged Triton kernel), each against its alternative
+        engines |= {"ours, captured, serial": dict(enforce_eager=False, async_scheduling=False),
+                    "ours, captured, torch attention": dict(enforce_eager=False, attention="torch")}
     groups, new_tokens = (((1, 2),), 8) if ctx.dry_run else (GPU_BATCH_GROUPS, decode_bench.NEW_TOKENS)
     model, source = load_weights(preset, device, DTYPES[dtype])
     report = {"device": device_name(device), "preset": preset, "weights": source, "prompt_len": decode_bench.PROMPT_LEN,

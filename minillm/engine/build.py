@@ -95,7 +95,7 @@ def plug_in(model: GPT, config: EngineConfig) -> tuple[GPT, Speedups]:
     """The model the engine runs (``model``, or its weight-packed copy) and the plug-ins
     ``config`` asks for (captured decode steps, Triton attention), each decided here once."""
     model = model.eval()
-    kernels = attention_kernels(config.attention, model.device)
+    kernels = attention_kernels(config, model.device)
     reason = eager_reason(model, config)
     capture = None if reason is not None else Capture(model, config.max_num_seqs, kernels, capture_mode(model.device))
     return packed_if_asked(model, config), Speedups(kernels, capture, reason)
@@ -124,9 +124,21 @@ def packed_if_asked(model: GPT, config: EngineConfig) -> GPT:
     return model
 
 
-def attention_kernels(attention: str, device: torch.device) -> AttentionKernels | None:
+def attention_kernels(config: EngineConfig, device: torch.device) -> AttentionKernels | None:
     """Chapter 16's Triton kernels for ``attention="triton"`` (None for the others), checked
-    now to run on ``device`` rather than failing in the first request."""
+    now to run on ``device`` rather than failing in the first request.
+
+    ``attention=None`` takes them on a CUDA GPU where Triton compiles, for a model on one
+    device: a captured step's torch attention gathers every row's whole block table (it cannot
+    ask the device how long the longest row is without stalling), where the paged kernel stops
+    at each row's length; on an H200 the engine decoded 5.1x as many tokens/s with it (the GPU
+    check's attention step, 64 requests of 128 tokens)."""
+    attention = config.attention
+    if attention is None:
+        one_device = config.tensor_parallel_size == config.pipeline_parallel_size == 1
+        if not (one_device and device.type == "cuda" and triton_compiles()):
+            return None
+        attention = "triton"
     if attention != "triton":
         return None
     from minillm.speedups.kernels.runtime import TritonUnavailable, require_triton  # sets TRITON_INTERPRET
@@ -139,6 +151,13 @@ def attention_kernels(attention: str, device: torch.device) -> AttentionKernels 
     from minillm.speedups.kernels.paged_triton import paged_decode_attention
 
     return AttentionKernels("triton", paged_decode_attention, partial(flash_attention, causal=True))
+
+
+def triton_compiles() -> bool:
+    """Triton is installed and compiles its kernels for the GPU (not the interpreter)."""
+    from minillm.speedups.kernels.runtime import interpreting, triton_installed
+
+    return triton_installed() and not interpreting()
 
 
 def check_options(config: EngineConfig, *, dtype: str | torch.dtype | None = None, quantize: str | None = None,

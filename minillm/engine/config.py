@@ -49,7 +49,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     pipeline_micro_batches: int | None = None
-    attention: str = "torch"  # "triton": chapter 16's kernels (CUDA, or the interpreter on a CPU)
+    # "triton": chapter 16's kernels (CUDA, or the interpreter on a CPU). None picks them on a CUDA
+    # GPU where Triton compiles, for a model on one device, and "torch" elsewhere (build_engine)
+    attention: str | None = None
     # Decode-only steps as captured programs (minillm.speedups.decode_graphs, wired in by build_engine):
     # True keeps every step eager (the reference); False captures wherever the model allows (not
     # a tensor-parallel or quantized one); None captures where it is cheap: a CUDA graph records
@@ -68,7 +70,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.attention not in ATTENTION_BACKENDS:
+        if self.attention is not None and self.attention not in ATTENTION_BACKENDS:
             raise EngineOptionError("attention", f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, "
                                                  f"got {self.attention!r}")
         if self.attention == "triton" and self.tensor_parallel_size > 1:

@@ -122,7 +122,7 @@ class LLMEngine:
         self.tokenizer = tokenizer or get_tokenizer()
         self.grammars = grammar_compiler(self.tokenizer)  # for requests held to a JSON Schema: shared with the server
         self.eager_reason = speedups.eager_reason
-        attention = speedups.kernels or config.attention
+        attention = speedups.kernels or config.attention or "torch"
         # the split of memory_budget, measured by a warm-up step; None when the cache was sized alone
         self.memory: MemorySplit | None = None
         if config.memory_budget is not None:
