@@ -28,7 +28,7 @@ class IncrementalDetokenizer:
         stop = [stop] if isinstance(stop, str) else list(stop)
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be non-empty strings, got {stop!r}")
-        self._tokenizer = tokenizer
+        self._eot, self._token_bytes = tokenizer.eot, tokenizer.token_bytes  # read once, used per token
         self._stop = stop
         # How much of each stop string the text ends with: the text we may have to hold back.
         self._matches = [_SuffixMatch(s) for s in stop]
@@ -49,9 +49,9 @@ class IncrementalDetokenizer:
         """Feed one generated token; return the new text that is now safe to show."""
         if self._finished:
             raise RuntimeError("this detokenizer is finished (a stop string matched or flush() was called)")
-        if token_id == self._tokenizer.eot:
+        if token_id == self._eot:
             return ""
-        text = self._utf8.decode(self._tokenizer.token_bytes(token_id))
+        text = self._utf8.decode(self._token_bytes(token_id))
         return self._release(text, final=False) if self._stop else text  # no stop string: nothing to hold
 
     def flush(self) -> str:
