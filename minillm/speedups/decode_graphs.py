@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -202,7 +203,9 @@ class DecodeGraphs:
     def _compile(self, b: int) -> Program:
         compiled = torch.compile(self.step, fullgraph=True, dynamic=False)
         inputs = self._inputs(b)
-        with torch.inference_mode(), torch._inductor.config.patch(CPU_INDUCTOR_CONFIG):
+        with torch.inference_mode(), torch._inductor.config.patch(CPU_INDUCTOR_CONFIG), warnings.catch_warnings():
+            # Inductor's autotuner reads a storage the deprecated way: torch's business, not the reader's
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
             compiled(*inputs)  # compiles now, not in the first step that needs it
         return lambda: compiled(*inputs)
 
