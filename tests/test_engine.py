@@ -169,7 +169,7 @@ def test_decodes_split_into_length_sorted_groups_give_the_same_tokens(model: GPT
 def test_a_finished_request_leaves_nothing_behind(model: GPT) -> None:
     """The request's ``Sequence`` is its one record: once it is finished (or aborted) and the
     next step has replaced ``last_step``, nothing in the engine refers to it any more, so it
-    and everything it owned (detokenizer, generator, drafter) are garbage."""
+    and everything it owned (detokenizer, drafter) are garbage."""
     import gc
     import weakref
 
@@ -179,7 +179,7 @@ def test_a_finished_request_leaves_nothing_behind(model: GPT) -> None:
     sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=3, stop=["zz"], ignore_eos=True)
     done = engine.add_request("done", [5, 6, 7, 5, 6, 7, 5, 6], sampled)
     gone = engine.add_request("gone", [1, 2, 3], greedy(50))
-    owned = [weakref.ref(x) for x in (done, gone, done.detokenizer, done.generator)]
+    owned = [weakref.ref(x) for x in (done, gone, done.detokenizer)]
     while not done.is_finished:
         engine.step()
     assert done in engine.speculator.drafters or engine.speculator.stats.drafted == 0  # it drafted once alone
@@ -187,7 +187,7 @@ def test_a_finished_request_leaves_nothing_behind(model: GPT) -> None:
     del done, gone
     engine.step()  # idle: replaces last_step, the plan of the step that ran them
     gc.collect()
-    assert [r() for r in owned] == [None] * 4
+    assert [r() for r in owned] == [None] * 3
     assert engine.unfinished_request_ids == [] and not engine.scheduler.running and not engine.scheduler.waiting
     assert sum(engine.allocator.ref_counts) == 0 and engine.stats().kv_blocks_used == 0
 

@@ -41,11 +41,19 @@ def test_kv_cache_logits_match_full_forward(model: GPT) -> None:
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
-def test_sampled_kv_cache_matches_naive_with_the_same_seed(model: GPT) -> None:
+def test_sampled_loops_and_the_engine_draw_the_same_tokens_with_the_same_seed(model: GPT) -> None:
+    """Every loop draws token ``j`` of a sequence by ``(seed, j)``, as the engine does, so one
+    seed gives one continuation whichever way it is computed; another seed, another one."""
     kwargs = dict(temperature=1.0, top_k=20)
-    naive = generate_naive(model, [3, 4], 12, generator=torch.Generator().manual_seed(7), **kwargs)
-    cached = generate_kv_cache(model, [3, 4], 12, generator=torch.Generator().manual_seed(7), **kwargs)
-    assert cached == naive
+    naive = generate_naive(model, [3, 4], 12, seed=7, **kwargs)
+    assert generate_kv_cache(model, [3, 4], 12, seed=7, **kwargs) == naive
+    params = SamplingParams(max_tokens=12, seed=7, ignore_eos=True, **kwargs)
+    assert LLM(model, block_size=8).generate([[3, 4]], params, use_tqdm=False)[0].token_ids == naive
+    assert generate_kv_cache(model, [3, 4], 12, seed=8, **kwargs) != naive
+    torch.manual_seed(1)
+    unseeded = generate_naive(model, [3, 4], 12, **kwargs)
+    torch.manual_seed(1)
+    assert generate_kv_cache(model, [3, 4], 12, **kwargs) == unseeded  # one seed drawn from torch's generator
 
 
 def test_stop_token_ends_generation_by_one_rule_in_every_loop(model: GPT) -> None:

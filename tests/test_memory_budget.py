@@ -125,7 +125,7 @@ def test_the_warm_up_measures_the_largest_prefill_too() -> None:
     511, each attending over 512 keys, and one of 8), whose activations are tens of MiB."""
     torch.manual_seed(0)
     model = GPT(ModelConfig(context_length=512, d_model=256, n_layers=2, n_heads=4)).eval()
-    decode, prefill = worst_steps(model.cfg, 16, 9, 4096, CPU)
+    decode, prefill = worst_steps(model.cfg, 16, 9, 4096)
     assert [(c.start, c.num_tokens) for c in decode.chunks] == [(511, 1)] * 9
     assert [(c.start, c.num_tokens) for c in prefill.chunks] == [(1, 511)] * 8 + [(504, 8)]
     # Measured in a fresh process: in this one, whose heap holds what earlier tests freed, the

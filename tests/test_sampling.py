@@ -1,5 +1,6 @@
 """The sampler: greedy is argmax, filters never leak, draws follow the softmax, and a seeded
-request's tokens do not depend on its batch neighbours."""
+request's tokens do not depend on its batch neighbours (each is a function of its seed and
+position, drawn for the whole batch in one call)."""
 
 from __future__ import annotations
 
@@ -15,19 +16,20 @@ import pytest
 import torch
 
 from minillm.decoding import sampling
-from minillm.decoding.sampling import GREEDY_TEMPERATURE, SAMPLE_CHUNK_ROWS, SEED_MAX, SEED_MIN, SamplingParams, _filter, _invert_cdf, distribution, make_generator, sample
+from minillm.decoding.draws import Stream, uniforms
+from minillm.decoding.sampling import GREEDY_TEMPERATURE, SAMPLE_CHUNK_ROWS, SEED_MAX, SEED_MIN, SamplingParams, _filter, distribution, invert_cdf, request_seed, sample
 
 VOCAB = 1000
 
 
 def draws(logits_row: torch.Tensor, params: SamplingParams, n: int, seed: int = 0,
           neighbour: SamplingParams | None = None) -> list[int]:
-    """``n`` independent draws for one row, from one batch of ``n`` copies of it (the same
-    draws for the same ``seed``); with a ``neighbour``, the copies alternate with rows that
+    """``n`` independent draws for one row, from one batch of ``n`` copies of it: ``seed``'s
+    draws at positions 0 to ``n - 1``; with a ``neighbour``, the copies alternate with rows that
     sample under the neighbour's settings."""
-    torch.manual_seed(seed)
     batch = [params] if neighbour is None else [params, neighbour]
-    tokens = sample(logits_row.expand(len(batch) * n, -1), batch * n, [None] * (len(batch) * n))
+    rows = len(batch) * n
+    tokens = sample(logits_row.expand(rows, -1), batch * n, [seed] * rows, [i // len(batch) for i in range(rows)])
     return tokens[:: len(batch)].tolist()
 
 
@@ -85,7 +87,7 @@ LONG_TAIL = torch.cat([torch.tensor(CRAFTED_PROBS) * 0.5, TAIL / TAIL.sum() * 0.
 
 def test_greedy_is_argmax_for_a_whole_batch():
     logits = torch.randn(128, VOCAB, generator=torch.Generator().manual_seed(0))
-    tokens = sample(logits, [SamplingParams(temperature=0)] * 128, [None] * 128)
+    tokens = sample(logits, [SamplingParams(temperature=0)] * 128, [None] * 128, [0] * 128)
     assert tokens.dtype == torch.long and tokens.shape == (128,)
     assert torch.equal(tokens, logits.argmax(dim=-1))
 
@@ -93,7 +95,7 @@ def test_greedy_is_argmax_for_a_whole_batch():
 def test_greedy_rows_keep_their_argmax_among_sampled_rows():
     logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=0), SamplingParams(temperature=5.0)] * 3
-    tokens = sample(logits, params, [make_generator(p, "cpu") for p in params])
+    tokens = sample(logits, params, [request_seed(p) for p in params], [0] * len(params))
     assert torch.equal(tokens[::2], logits[::2].argmax(dim=-1))
 
 
@@ -101,7 +103,7 @@ def test_greedy_rows_keep_their_argmax_among_sampled_rows():
 def test_top_k_one_is_greedy_at_any_temperature(temperature):
     logits = torch.randn(32, VOCAB, generator=torch.Generator().manual_seed(2))
     params = [SamplingParams(temperature=temperature, top_k=1, seed=i) for i in range(32)]
-    tokens = sample(logits, params, [make_generator(p, "cpu") for p in params])
+    tokens = sample(logits, params, [request_seed(p) for p in params], [0] * len(params))
     assert torch.equal(tokens, logits.argmax(dim=-1))
 
 
@@ -109,7 +111,7 @@ def test_top_k_one_is_greedy_at_any_temperature(temperature):
 def test_tiny_top_p_is_greedy(temperature):
     logits = torch.randn(32, VOCAB, generator=torch.Generator().manual_seed(3))
     params = [SamplingParams(temperature=temperature, top_p=1e-6, seed=i) for i in range(32)]
-    tokens = sample(logits, params, [make_generator(p, "cpu") for p in params])
+    tokens = sample(logits, params, [request_seed(p) for p in params], [0] * len(params))
     assert torch.equal(tokens, logits.argmax(dim=-1))
 
 
@@ -118,7 +120,7 @@ def test_ties_are_broken_by_vocabulary_order_as_argmax_does(top_k):
     logits = torch.randn(16, VOCAB, generator=torch.Generator().manual_seed(9))
     logits[:, [900, 17, 300, 5]] = 10.0  # four tokens tie for the top
     params = [SamplingParams(temperature=1.0, top_k=top_k, top_p=1e-6, seed=i) for i in range(16)]
-    tokens = sample(logits, params, [make_generator(p, "cpu") for p in params])
+    tokens = sample(logits, params, [request_seed(p) for p in params], [0] * len(params))
     assert tokens.tolist() == [5] * 16
 
 
@@ -129,8 +131,8 @@ def test_a_seeded_row_with_tied_logits_ignores_a_neighbour_that_widens_the_ranki
     wide = SamplingParams(temperature=1.0, top_k=600, seed=4)
     runs = []
     for logits, batch in ((row[None], [params]), (torch.stack([row, row]), [wide, params])):
-        generators = [make_generator(p, "cpu") for p in batch]
-        runs.append([int(sample(logits, batch, generators)[-1]) for _ in range(40)])
+        seeds = [request_seed(p) for p in batch]
+        runs.append([int(sample(logits, batch, seeds, [step] * len(batch))[-1]) for step in range(40)])
     assert runs[0] == runs[1] and len(set(runs[0])) > 2
 
 
@@ -208,9 +210,9 @@ def test_a_seeded_row_ignores_its_batch_neighbours(params):
     ]
     sequences = []
     for logits, batch_params in batches:
-        generators = [make_generator(p, "cpu") for p in batch_params]
+        seeds = [request_seed(p) for p in batch_params]
         where = batch_params.index(params)
-        sequences.append([int(sample(logits, batch_params, generators)[where]) for _ in range(40)])
+        sequences.append([int(sample(logits, batch_params, seeds, [step] * len(seeds))[where]) for step in range(40)])
     assert all(s == sequences[0] for s in sequences)
     assert len(set(sequences[0])) > 5  # really random, not stuck on one token
 
@@ -252,8 +254,8 @@ def test_distribution_matches_a_plain_reference_for_combined_filters() -> None:
             compared += 1
             assert torch.equal(got[row] > 0, want > 0), (case, row, params)
             assert torch.allclose(got[row], want, rtol=1e-4, atol=1e-7), (case, row, params)
-        generators = [torch.Generator().manual_seed(case) for _ in range(4 * len(logits))]
-        tokens = sample(logits.repeat(4, 1), [params] * len(generators), generators).view(4, -1)
+        rows = 4 * len(logits)
+        tokens = sample(logits.repeat(4, 1), [params] * rows, [case] * rows, list(range(rows))).view(4, -1)
         for row, (want, fragile) in enumerate(refs):
             assert fragile or bool((want[tokens[:, row]] > 0).all()), (case, row, params)
     assert compared >= 0.9 * total  # the fragile rows skipped are few
@@ -340,8 +342,7 @@ def test_seeded_rows_ignore_neighbours_that_change_the_ranking_width() -> None:
     steps = 15
     alone = []
     for params in SEEDED_WIDTHS:
-        generator = make_generator(params, "cpu")
-        alone.append([int(sample(TIE_ROW[None], [params], [generator])[0]) for _ in range(steps)])
+        alone.append([int(sample(TIE_ROW[None], [params], [params.seed], [step])[0]) for step in range(steps)])
     alone = torch.tensor(alone).T  # [step, seeded row]
     others = torch.randn(len(WIDE_NEIGHBOURS), 6000, generator=torch.Generator().manual_seed(14))
     neighbour_row = dict(zip(WIDE_NEIGHBOURS, others))
@@ -353,9 +354,9 @@ def test_seeded_rows_ignore_neighbours_that_change_the_ranking_width() -> None:
         before, after = names[: len(names) // 2], names[len(names) // 2 :]
         batch = [WIDE_NEIGHBOURS[n] for n in before] + [SEEDED_WIDTHS[i] for i in chosen] + [WIDE_NEIGHBOURS[n] for n in after]
         rows = [neighbour_row[n] for n in before] + [TIE_ROW] * len(chosen) + [neighbour_row[n] for n in after]
-        generators = [make_generator(p, "cpu") for p in batch]
+        seeds = [request_seed(p) for p in batch]
         ours = slice(len(before), len(before) + len(chosen))
-        batched = torch.stack([sample(torch.stack(rows), batch, generators)[ours] for _ in range(steps)])
+        batched = torch.stack([sample(torch.stack(rows), batch, seeds, [step] * len(batch))[ours] for step in range(steps)])
         assert torch.equal(batched, alone[:, chosen]), (names, (batched != alone[:, chosen]).nonzero().tolist())
     assert len(set(alone.flatten().tolist())) > 20
     assert int((TIE_ROW[alone[:, inside_the_tie]] == 3.5).sum()) >= 3  # the draws that matter happen
@@ -366,41 +367,40 @@ def test_different_seeds_give_different_tokens():
     runs = []
     for seed in (1, 2):
         params = SamplingParams(temperature=1.0, seed=seed)
-        generator = make_generator(params, "cpu")
-        runs.append([int(sample(row, [params], [generator])) for _ in range(20)])
+        runs.append([int(sample(row, [params], [seed], [step])) for step in range(20)])
     assert runs[0] != runs[1]
 
 
-def test_generators_greedy_none_seeded_fixed_unseeded_from_the_global_rng():
-    assert make_generator(SamplingParams(temperature=0), "cpu") is None
-    assert make_generator(SamplingParams(temperature=2.0, top_k=1), "cpu") is None
-    seeded = [make_generator(SamplingParams(seed=9), "cpu") for _ in range(2)]
-    assert torch.equal(torch.rand(4, generator=seeded[0]), torch.rand(4, generator=seeded[1]))
+def test_request_seeds_greedy_none_seeded_its_own_unseeded_from_the_global_rng():
+    assert request_seed(SamplingParams(temperature=0)) is None
+    assert request_seed(SamplingParams(temperature=2.0, top_k=1, seed=3)) is None  # greedy never draws
+    assert request_seed(SamplingParams(seed=9)) == 9
     torch.manual_seed(0)
-    first = [torch.rand(4, generator=make_generator(SamplingParams(), "cpu")) for _ in range(2)]
+    first = [request_seed(SamplingParams()) for _ in range(2)]
     torch.manual_seed(0)
-    again = [torch.rand(4, generator=make_generator(SamplingParams(), "cpu")) for _ in range(2)]
-    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
-    assert not torch.equal(first[0], first[1])  # each request its own stream
+    again = [request_seed(SamplingParams()) for _ in range(2)]
+    assert first == again and first[0] != first[1]  # reproducible, and each request its own
 
 
 def test_one_row_and_low_precision_logits():
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=0)
-    token = int(sample(logits, [params], [make_generator(params, "cpu")])[0])
+    token = int(sample(logits, [params], [params.seed], [0])[0])
     assert token in set(torch.topk(logits[0].float(), 20).indices.tolist())
-    assert int(sample(logits, [SamplingParams(temperature=0)], [None])[0]) == int(logits.argmax())
+    assert int(sample(logits, [SamplingParams(temperature=0)], [None], [0])[0]) == int(logits.argmax())
 
 
-def test_mismatched_lengths_are_refused():
+def test_mismatched_lengths_and_a_sampled_row_without_a_seed_are_refused():
     with pytest.raises(ValueError, match="2 rows"):
-        sample(torch.zeros(2, VOCAB), [SamplingParams()], [None])
+        sample(torch.zeros(2, VOCAB), [SamplingParams()], [None], [0])
+    with pytest.raises(ValueError, match=r"rows \[1\] have none"):
+        sample(torch.zeros(2, VOCAB), [SamplingParams(seed=1), SamplingParams()], [1, None], [0, 0])
 
 
 def test_a_target_rounded_up_to_the_total_still_lands_on_a_possible_token():
     probs = torch.tensor([[0.0, 0.5, 0.5, 0.0, 0.0]])
-    assert int(_invert_cdf(probs, torch.tensor([1.0]))) == 2
-    assert int(_invert_cdf(probs, torch.tensor([0.0]))) == 1
+    assert int(invert_cdf(probs, torch.tensor([1.0]))) == 2
+    assert int(invert_cdf(probs, torch.tensor([0.0]))) == 1
 
 
 def test_top_p_one_keeps_a_tail_that_rounding_pushed_past_the_total():
@@ -439,11 +439,14 @@ def test_max_tokens_zero_only_scores_a_prompt():
         SamplingParams(max_tokens=0, logprobs=1)
 
 
-def test_a_seed_outside_a_generators_range_is_refused_when_the_params_are_made() -> None:
-    """torch.Generator takes a signed 64-bit seed: past it the engine step itself would raise,
-    failing every request in the batch, so the params refuse it where they are built."""
+def test_a_seed_outside_64_bits_is_refused_when_the_params_are_made() -> None:
+    """Draws are keyed by int64 tensors of seeds: past the signed 64-bit range the engine step
+    itself would raise, failing every request in the batch, so the params refuse it where they
+    are built. Both ends of the range draw."""
     for edge in (SEED_MIN, SEED_MAX):
-        assert make_generator(SamplingParams(temperature=1.0, seed=edge), torch.device("cpu")) is not None
+        params = SamplingParams(temperature=1.0, seed=edge)
+        assert request_seed(params) == edge
+        assert 0 <= int(sample(torch.zeros(1, VOCAB), [params], [edge], [SEED_MAX])[0]) < VOCAB
     for bad in (SEED_MIN - 1, SEED_MAX + 1, 10**30):
         with pytest.raises(ValueError, match="^seed must be an integer in"):
             SamplingParams(temperature=1.0, seed=bad)
@@ -484,8 +487,8 @@ def test_a_batch_larger_than_a_chunk_draws_each_row_as_if_alone() -> None:
     params = [replace(rng.choice(settings), seed=i) for i in range(rows)]
     logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(0)) * 2
     logits[rows - 1] = logits[rows - 1].round()  # ties at the cut, in the last, partial chunk
-    together = sample(logits, params, [make_generator(p, "cpu") for p in params]).tolist()
-    alone = [int(sample(logits[i:i + 1], [p], [make_generator(p, "cpu")])[0]) for i, p in enumerate(params)]
+    together = sample(logits, params, [request_seed(p) for p in params], [5] * rows).tolist()
+    alone = [int(sample(logits[i:i + 1], [p], [request_seed(p)], [5])[0]) for i, p in enumerate(params)]
     assert together == alone
     assert len(set(together)) > rows // 2  # distinct rows, distinct draws: nothing collapsed onto one index
 
@@ -497,7 +500,7 @@ def test_a_temperature_too_small_for_float32_is_greedy_not_nan(temperature: floa
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0)) * 4
     params = [SamplingParams(temperature=temperature, seed=1)] * 3
     assert all(p.greedy for p in params)
-    assert sample(logits, params, [make_generator(p, "cpu") for p in params]).tolist() == logits.argmax(-1).tolist()
+    assert sample(logits, params, [request_seed(p) for p in params], [0] * 3).tolist() == logits.argmax(-1).tolist()
 
 
 def test_the_smallest_sampled_temperature_still_gives_a_proper_distribution() -> None:
@@ -506,7 +509,7 @@ def test_the_smallest_sampled_temperature_still_gives_a_proper_distribution() ->
     assert not params.greedy
     probs = distribution(logits, params)
     assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(2))
-    assert sample(logits, [params] * 2, [make_generator(params, "cpu")] * 2).tolist() == logits.argmax(-1).tolist()
+    assert sample(logits, [params] * 2, [1, 1], [0, 1]).tolist() == logits.argmax(-1).tolist()
 
 
 def test_a_top_k_past_the_vocabulary_keeps_every_token() -> None:
@@ -515,5 +518,40 @@ def test_a_top_k_past_the_vocabulary_keeps_every_token() -> None:
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
     huge, every = SamplingParams(top_k=SEED_MAX, seed=4), SamplingParams(top_k=VOCAB, seed=4)
     assert torch.equal(distribution(logits, huge), distribution(logits, every))
-    drawn = [sample(logits, [p] * 2, [make_generator(p, "cpu") for _ in range(2)]).tolist() for p in (huge, every)]
+    drawn = [sample(logits, [p] * 2, [4, 4], [0, 1]).tolist() for p in (huge, every)]
     assert drawn[0] == drawn[1]
+
+
+def test_every_sampled_row_draws_its_number_in_one_batched_call(monkeypatch) -> None:
+    """No call per row: the uniform numbers of a batch's sampled rows, filtering or not, across
+    several chunks, come from one call of the counter-based draw, given every row's seed and
+    position; greedy rows ask for none, and a greedy batch makes no call at all."""
+    calls = []
+
+    def counted(seeds, counters, stream, device=None):
+        calls.append((list(seeds), list(counters), stream))
+        return uniforms(seeds, counters, stream, device)
+
+    monkeypatch.setattr(sampling, "uniforms", counted)
+    rows = 3 * SAMPLE_CHUNK_ROWS + 7
+    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=0.9), SamplingParams(top_k=50)]
+    params = [kinds[i % 3] if i % 3 == 0 else replace(kinds[i % 3], seed=100 + i) for i in range(rows)]
+    logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(1))
+    sample(logits, params, [request_seed(p) for p in params], list(range(rows)))
+    assert len(calls) == 1
+    seeds, counters, stream = calls[0]
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    assert sorted(counters) == sampled and sorted(seeds) == [100 + i for i in sampled]
+    assert stream == Stream.SAMPLE
+    sample(logits, [kinds[0]] * rows, [None] * rows, [0] * rows)
+    assert len(calls) == 1
+
+
+def test_a_seeded_rows_token_is_its_positions_draw_whatever_came_before() -> None:
+    """No state advances between calls: a row's token at a position is the same asked first,
+    last, or after other positions, and the draws move with the position."""
+    row = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(2))
+    params = SamplingParams(temperature=1.0, seed=21)
+    forward = [int(sample(row, [params], [21], [p])[0]) for p in range(30)]
+    backward = [int(sample(row, [params], [21], [p])[0]) for p in reversed(range(30))]
+    assert forward == backward[::-1] and len(set(forward)) > 10

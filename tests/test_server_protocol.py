@@ -151,7 +151,7 @@ def test_chunks_have_openai_shapes() -> None:
 # tests follow the limits rather than restating them.
 
 LEN, VOCAB = CARD.max_model_len, CARD.vocab_size
-LONG = torch.iinfo(torch.long)  # the range of a torch.Generator's seed, signed as vLLM takes it
+LONG = torch.iinfo(torch.long)  # the range of a seed: the int64 that keys its draws, signed as vLLM takes it
 HALF = LEN // 2
 
 
@@ -296,7 +296,7 @@ BODY_LIMIT = 4096
 def test_edges_through_the_server(model: GPT) -> None:  # noqa: F811 (the fixture)
     """Through HTTP: an exact context fit and a body of exactly ``--max-body-bytes`` are
     served, one token or one byte more is refused in OpenAI's error shape, and an edge seed is
-    accepted by the engine itself (torch's generator), not only by the protocol."""
+    accepted by the engine itself (its int64 draws), not only by the protocol."""
     async def error(response, status: int) -> dict:
         assert response.status == status, await response.text()
         error = (await response.json())["error"]

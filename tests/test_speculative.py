@@ -15,8 +15,9 @@ from minillm.model.config import ModelConfig
 from minillm.speedups.speculative.drafters import ModelDrafter, NgramDrafter
 from minillm.decoding.generate import ContiguousKVCache, generate_kv_cache
 from minillm.model.gpt import GPT
+from minillm.decoding.draws import Stream, uniform
 from minillm.decoding.sampling import SamplingParams
-from minillm.speedups.speculative.rule import Draft, accept, distribution, generate_speculative, rollback
+from minillm.speedups.speculative.rule import Draft, accept, distribution, draw, generate_speculative, rollback
 
 SMALL = ModelConfig(context_length=64, d_model=32, n_layers=2, n_heads=4, vocab_size=512)
 
@@ -82,18 +83,18 @@ def test_greedy_acceptance_stops_at_the_first_disagreement() -> None:
 
 
 def _one_step_frequencies(p_logits: torch.Tensor, q: torch.Tensor | None, n: int) -> torch.Tensor:
-    """How often each token is the first output of a 1-token draft, over ``n`` draws."""
-    gen = torch.Generator().manual_seed(0)
+    """How often each token is the first output of a 1-token draft, over ``n`` draws: one
+    seed's draws at ``n`` positions, the draft's by its own stream as a drafter's are."""
     params = SamplingParams(temperature=1.0)
     counts = torch.zeros(p_logits.shape[-1])
-    for _ in range(n):
+    for position in range(n):
         if q is None:
             x = 1  # a deterministic drafter always guesses token 1
             draft = Draft([x])
         else:
-            x = int(torch.multinomial(q, 1, generator=gen))
+            x = draw(q, uniform(0, position, Stream.DRAFT))
             draft = Draft([x], q[None])
-        accepted, token = accept(p_logits, draft, params, gen)
+        accepted, token = accept(p_logits, draft, params, 0, position)
         counts[x if accepted else token] += 1
     return counts / n
 
@@ -129,12 +130,11 @@ def test_sampled_sequences_have_the_targets_joint_distribution() -> None:
     target, draft = peaky(cfg, 10, std=0.5), peaky(cfg, 11, std=0.5)
     prompt, n, runs = [0, 1], 2, 2500
     exact, drafts_own = _exact_joint(target, prompt, n), _exact_joint(draft, prompt, n)
-    gen = torch.Generator().manual_seed(0)
     drafter = ModelDrafter(draft)
     counts = dict.fromkeys(exact, 0)
     drafted = accepted = 0
-    for _ in range(runs):
-        out = generate_speculative(target, drafter, prompt, n, num_speculative_tokens=2, temperature=1.0, generator=gen)
+    for run in range(runs):
+        out = generate_speculative(target, drafter, prompt, n, num_speculative_tokens=2, temperature=1.0, seed=run)
         counts[tuple(out.tokens)] += 1
         drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
     tv = 0.5 * sum(abs(counts[s] / runs - exact[s]) for s in exact)

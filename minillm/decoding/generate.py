@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from minillm.model.gpt import GPT, KVCache, fused_attention
-from minillm.decoding.sampling import SamplingParams, sample
+from minillm.decoding.sampling import SamplingParams, request_seed, sample
 
 
 class ContiguousKVCache:
@@ -82,12 +82,12 @@ def last_logits(
     return model.logits(model.hidden_states(tokens, positions, cache)[:, -1])
 
 
-def choose_token(
-    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
-) -> int:
-    """One token from one row of logits, by the engine's own sampler."""
-    params = SamplingParams(max_tokens=1, temperature=temperature, top_k=top_k)
-    return int(sample(logits[None], [params], [generator])[0])
+def choose_token(logits: torch.Tensor, temperature: float, top_k: int | None, seed: int | None, position: int) -> int:
+    """One token from one row of logits, by the engine's own sampler: the draw ``seed`` makes
+    for ``position``, the index the token will have in its sequence, as in the engine (without
+    a seed, a sampled token's is drawn from torch's global generator)."""
+    params = SamplingParams(max_tokens=1, temperature=temperature, top_k=top_k, seed=seed)
+    return int(sample(logits[None], [params], [request_seed(params)], [position])[0])
 
 
 def check_prompt(model: GPT, prompt: list[int], max_new_tokens: int, *, slide: bool) -> None:
@@ -113,23 +113,25 @@ def generate_naive(
     temperature: float = 0.0,
     top_k: int | None = None,
     stop_token: int | None = None,
-    generator: torch.Generator | None = None,
+    seed: int | None = None,
 ) -> list[int]:
     """Continue ``prompt`` by up to ``max_new_tokens`` tokens; returns only the new ones.
 
     Every step runs the model over the whole sequence so far and keeps only the last
     position's logits. The window slides when the sequence outgrows the model's context.
     Generation stops after ``stop_token``, by the engine's own stop rule
-    (:meth:`SamplingParams.finish_reason`).
+    (:meth:`SamplingParams.finish_reason`). Sampled (``temperature`` > 0), the same ``seed``
+    gives the same tokens: token ``j`` of the sequence is drawn by ``(seed, j)``.
     """
     check_prompt(model, prompt, max_new_tokens, slide=True)
     if max_new_tokens == 0:
         return []
-    rule = SamplingParams(max_tokens=max_new_tokens)
+    rule = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
+    seed = request_seed(rule)  # one for the whole loop, as the engine keeps one per request
     ids, new = list(prompt), []
     while True:
         window = torch.tensor([ids[-model.cfg.context_length :]], device=model.device)
-        token = choose_token(last_logits(model, window)[0], temperature, top_k, generator)
+        token = choose_token(last_logits(model, window)[0], temperature, top_k, seed, len(ids))
         ids.append(token)
         new.append(token)
         if rule.finish_reason(token, len(new), stop_token):
@@ -145,7 +147,7 @@ def generate_kv_cache(
     temperature: float = 0.0,
     top_k: int | None = None,
     stop_token: int | None = None,
-    generator: torch.Generator | None = None,
+    seed: int | None = None,
 ) -> list[int]:
     """The same as :func:`generate_naive`, with a KV cache: one prefill, then one token per step.
 
@@ -155,13 +157,14 @@ def generate_kv_cache(
     check_prompt(model, prompt, max_new_tokens, slide=False)
     if max_new_tokens == 0:
         return []
-    rule = SamplingParams(max_tokens=max_new_tokens)
+    rule = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
+    seed = request_seed(rule)  # one for the whole loop, as the engine keeps one per request
     device = model.device
     cache = ContiguousKVCache(model, 1, len(prompt) + max_new_tokens)
     logits = last_logits(model, torch.tensor([prompt], device=device), cache=cache)[0]
     new: list[int] = []
     while True:
-        token = choose_token(logits, temperature, top_k, generator)
+        token = choose_token(logits, temperature, top_k, seed, len(prompt) + len(new))
         new.append(token)
         if rule.finish_reason(token, len(new), stop_token):
             return new

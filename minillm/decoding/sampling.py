@@ -2,8 +2,9 @@
 
 :class:`SamplingParams` fields mean what they mean in OpenAI's API and vLLM, so the server
 passes a request's JSON straight through; a bad value raises ``ValueError`` naming the field
-(an HTTP 400). :func:`sample` draws each row from its request's own generator, so a seeded
-request gives the same tokens whatever else shares its batch.
+(an HTTP 400). :func:`sample` draws each row's uniform number from its request's seed and the
+position being drawn (:mod:`minillm.decoding.draws`), so a seeded request gives the same tokens
+whatever else shares its batch, and whatever came before.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from typing import Any
 
 import torch
 
-# A seed seeds a torch.Generator, which takes a 64-bit integer; like vLLM, take the signed range
-# (torch would alias -1 and 2**64 - 1, and past 64 bits it raises inside the engine step).
+from minillm.decoding.draws import Stream, uniforms
+
+# A seed keys 64-bit draws (minillm.decoding.draws); like vLLM, take the signed range (so -1
+# and 2**64 - 1, the same 64 bits, cannot both be asked for, and nothing wider reaches a tensor).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 # Below this temperature a request is greedy, as in vLLM. Dividing logits by a temperature
 # that float32 cannot hold (under about 1e-38) makes them infinite and the softmax NaN, and
@@ -43,14 +46,15 @@ class SamplingParams:
 
     ``temperature`` 0 is greedy; ``top_k`` None or 0 keeps every token; ``stop`` strings end
     the text before them, ``stop_token_ids`` end it after them; ``ignore_eos`` runs past the
-    end-of-text token (load tests fix lengths with it); ``seed`` gives the request its own
-    random generator. The penalties, ``logit_bias`` and ``min_tokens`` adjust the logits before
-    temperature and the filters (:mod:`minillm.decoding.penalties`). ``logprobs`` and
-    ``prompt_logprobs`` report the raw logits' view, as vLLM does
-    (:mod:`minillm.decoding.logprobs`); with ``prompt_logprobs``, ``max_tokens`` may be 0 (score
-    the prompt only). ``json_schema`` masks every step to tokens that can still lead to an
-    instance (:mod:`minillm.decoding.structured`); only its type is checked here, the schema
-    where it is compiled, so chapter 5's naive loop never loads the grammar machinery.
+    end-of-text token (load tests fix lengths with it); ``seed`` makes the request's draws
+    reproducible, each a function of the seed and the token's position. The penalties,
+    ``logit_bias`` and ``min_tokens`` adjust the logits before temperature and the filters
+    (:mod:`minillm.decoding.penalties`). ``logprobs`` and ``prompt_logprobs`` report the raw
+    logits' view, as vLLM does (:mod:`minillm.decoding.logprobs`); with ``prompt_logprobs``,
+    ``max_tokens`` may be 0 (score the prompt only). ``json_schema`` masks every step to
+    tokens that can still lead to an instance (:mod:`minillm.decoding.structured`); only its
+    type is checked here, the schema where it is compiled, so chapter 5's naive loop never
+    loads the grammar machinery.
     """
 
     max_tokens: int = 16
@@ -184,14 +188,13 @@ def _brief(x: object) -> str:
     return text if len(text) <= 40 else f"{text[:37]}..."
 
 
-def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
-    """The random generator a request keeps for its whole life (None for greedy ones). An
-    unseeded request's is seeded from torch's global generator: random from run to run, yet
-    reproducible after ``torch.manual_seed``, and untouched by its neighbours' draws."""
+def request_seed(params: SamplingParams) -> int | None:
+    """The seed a request's draws are keyed by for its whole life (None for greedy ones, which
+    never draw): its own, or for an unseeded request one drawn from torch's global generator,
+    so runs are random, yet reproducible after ``torch.manual_seed``."""
     if params.greedy:
         return None
-    seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,)))
-    return torch.Generator(device=device).manual_seed(seed)
+    return params.seed if params.seed is not None else int(torch.randint(2**62, (1,)))
 
 
 # Sampled rows go through the filters this many at a time. A row that sorts its whole
@@ -229,25 +232,36 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None], positions: list[int]
 ) -> torch.Tensor:
-    """One token per row of ``logits`` ``[n, vocab]``, row ``i`` by ``params[i]`` and
-    ``generators[i]``. Greedy rows cost one batched ``argmax``; only sampled rows go through
-    temperature, top-k, top-p and a draw."""
-    if not len(params) == len(generators) == logits.shape[0]:
-        raise ValueError(f"{logits.shape[0]} rows of logits, {len(params)} params, {len(generators)} generators")
+    """One token per row of ``logits`` ``[n, vocab]``, row ``i`` by ``params[i]``, drawn by
+    ``seeds[i]`` (:func:`request_seed`; None only for greedy rows) at ``positions[i]``, the
+    index the token will have in its sequence. Greedy rows cost one batched ``argmax``; only
+    sampled rows go through temperature, top-k, top-p and a draw, and their uniform numbers
+    come from one batched call (:func:`~minillm.decoding.draws.uniforms`)."""
+    if not len(params) == len(seeds) == len(positions) == logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} rows of logits, {len(params)} params, {len(seeds)} seeds, "
+                         f"{len(positions)} positions")
     tokens = argmax_rows(logits)
     # Sampled rows that filter (top-k or top-p) go apart from those that don't: a draw inverts
     # the CDF in the order the candidates are laid out (vocabulary order, or largest first when
     # filtering), so that order depends on a row's own settings only, and a seeded row's
     # uniform number always lands on the same token.
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    for group in ([i for i in sampled if not params[i].filters], [i for i in sampled if params[i].filters]):
+    if not sampled:
+        return tokens
+    if any(seeds[i] is None for i in sampled):
+        raise ValueError(f"sampled rows need a seed: rows {[i for i in sampled if seeds[i] is None]} have none")
+    groups = [i for i in sampled if not params[i].filters], [i for i in sampled if params[i].filters]
+    in_order = groups[0] + groups[1]
+    u = uniforms([seeds[i] for i in in_order], [positions[i] for i in in_order], Stream.SAMPLE, logits.device)
+    done = 0
+    for group in groups:
         for start in range(0, len(group), SAMPLE_CHUNK_ROWS):
             rows = group[start:start + SAMPLE_CHUNK_ROWS]
             index = torch.tensor(rows, device=logits.device)
-            drawn = _sample_rows(logits[index].float(), [params[i] for i in rows], [generators[i] for i in rows])
-            tokens[index] = drawn
+            tokens[index] = _sample_rows(logits[index].float(), [params[i] for i in rows], u[done:done + len(rows)])
+            done += len(rows)
     return tokens
 
 
@@ -263,10 +277,8 @@ def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def _sample_rows(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, then one draw per row by inverting its CDF.
+def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, then one draw per row by inverting its CDF at ``u``.
 
     ``logits`` holds rows that all filter or none that do (see :func:`sample`).
     """
@@ -275,7 +287,7 @@ def _sample_rows(
     order = None
     if params[0].filters:
         probs, order = _ranked_and_filtered(probs, params)
-    picked = _invert_cdf(probs, _uniforms(generators, logits.device))
+    picked = invert_cdf(probs, u)
     return picked if order is None else order.gather(1, picked[:, None])[:, 0]
 
 
@@ -331,13 +343,7 @@ def _filter(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, vocab
     return probs * ((mass_before < top_p * kept_by_top_k) | (top_p >= 1))
 
 
-def _uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
-    """One uniform number in [0, 1) per row, each from that row's own generator."""
-    draws = [torch.rand(1, generator=g, device=g.device if g is not None else device) for g in generators]
-    return torch.cat([d.to(device) for d in draws])
-
-
-def _invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Column ``j`` of each row with ``cdf[j-1] <= u * total < cdf[j]``: a draw from the row's
     (unnormalised) distribution, so only a column with positive probability can be picked.
     Should rounding ever put the target at the total, the clamp picks the last such column

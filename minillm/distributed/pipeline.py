@@ -10,7 +10,7 @@ one stage busy at a time (the *bubble*), and only several micro-batches in fligh
 
 Where the ends go. The first stage holds the token and position tables, the last the final
 LayerNorm. The output matrix is the token table itself (tied), and the engine samples on
-rank 0, where each request's state lives (its penalties, grammar and random generator); so
+rank 0, where each request's state lives (its penalties, grammar and seed); so
 the last stage sends its normalised hidden states home to rank 0, which applies the head:
 a ring of ``N`` hops per token, ``d_model`` numbers each. Sending logits instead would move
 ``vocab_size`` numbers per token (262 times as many on the ``cpu`` preset), and a copy of the

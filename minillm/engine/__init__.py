@@ -3,7 +3,7 @@ in data-flow order. It imports the model, the data and decoding layers, never a 
 distributed plug-in: ``build_engine`` wires those in.
 
 - ``sequence``: one request's record: its tokens, status, block table, timings, and what it
-  owns while it lives (detokenizer, random generator, grammar).
+  owns while it lives (detokenizer, the seed of its draws, grammar).
 - ``block_allocator``: a fixed pool of KV-cache blocks, with reference counts and prefix hashes.
 - ``scheduler``: who runs this step: admission, the token budget, preemption by recompute,
   and lookahead slots for speculative decoding.

@@ -23,7 +23,7 @@ from minillm.engine.sequence import RequestTimes, Sequence, SequenceStatus
 from minillm.decoding.logprobs import TokenLogprobs
 from minillm.decoding.processors import shapes_logits
 from minillm.model.gpt import GPT
-from minillm.decoding.sampling import FinishReason, SamplingParams, make_generator
+from minillm.decoding.sampling import FinishReason, SamplingParams, request_seed
 from minillm.decoding.structured import grammar_compiler
 from minillm.data.tokenizer import Tokenizer, get_tokenizer
 
@@ -177,7 +177,7 @@ class LLMEngine:
             eos_token_id=self.tokenizer.eot,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
-            generator=make_generator(params, self.model.device),
+            seed=request_seed(params),
             grammar=None if params.json_schema is None else self.grammars.compile(params.json_schema),
         )
         self.scheduler.add(seq)

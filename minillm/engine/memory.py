@@ -34,7 +34,7 @@ from minillm.engine.model_runner import ModelRunner
 from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from minillm.engine.sequence import Sequence
 from minillm.model.gpt import GPT
-from minillm.decoding.sampling import SamplingParams, make_generator
+from minillm.decoding.sampling import SamplingParams, request_seed
 from minillm.sizes import parse_memory
 
 _PROC_STATUS = "/proc/self/status"
@@ -199,8 +199,8 @@ def _peak(device: torch.device) -> int:
     return _proc_status("VmHWM")
 
 
-def worst_steps(cfg: ModelConfig, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                device: torch.device) -> tuple[SchedulerOutput, SchedulerOutput]:
+def worst_steps(cfg: ModelConfig, block_size: int, max_num_seqs: int,
+                max_num_batched_tokens: int) -> tuple[SchedulerOutput, SchedulerOutput]:
     """The two largest steps the scheduler can build: a decode of ``max_num_seqs`` rows (or
     ``max_num_batched_tokens``, if fewer), and a prefill of ``max_num_batched_tokens`` tokens.
 
@@ -214,8 +214,7 @@ def worst_steps(cfg: ModelConfig, block_size: int, max_num_seqs: int, max_num_ba
     params = SamplingParams(max_tokens=1, temperature=1.0, top_k=cfg.vocab_size, seed=0)
 
     def chunk(i: int, num_tokens: int) -> ScheduledChunk:
-        seq = Sequence(f"memory-profile-{i}", [0] * ctx, params, ctx, block_table=table,
-                       generator=make_generator(params, device))
+        seq = Sequence(f"memory-profile-{i}", [0] * ctx, params, ctx, block_table=table, seed=request_seed(params))
         return ScheduledChunk(seq, ctx - num_tokens, num_tokens)
 
     decode, prefill = SchedulerOutput(), SchedulerOutput()
@@ -242,7 +241,7 @@ def profile_peak(model: GPT, *, block_size: int, max_num_seqs: int, max_num_batc
     cfg, device = model.cfg, model.device
     pool = PagedKVPool(cfg, -(-cfg.context_length // block_size), block_size, device, model.dtype)
     runner = ModelRunner(model, pool, attention)
-    decode, prefill = worst_steps(cfg, block_size, max_num_seqs, max_num_batched_tokens, device)
+    decode, prefill = worst_steps(cfg, block_size, max_num_seqs, max_num_batched_tokens)
     base = _reset_peak(device)
     runner.execute(decode)
     decode_peak = _peak(device) - base

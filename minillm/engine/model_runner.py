@@ -293,7 +293,8 @@ class ModelRunner:
         elif greedy is not None and not processed.shaped and all(s.params.greedy for s in seqs):
             tokens = greedy
         else:
-            tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            positions = [c.start + c.num_tokens for c in step.sampling]  # the new tokens' indices: what each draws by
+            tokens = sample(logits, [s.params for s in seqs], [s.seed for s in seqs], positions)
         self._sampled = tokens
         return ComputedStep(step, tokens, processed, hidden)
 

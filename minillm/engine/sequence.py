@@ -3,8 +3,8 @@
 The prompt and the tokens generated so far are one list, ``token_ids``, so a sequence that is
 recomputed after a preemption is simply "a longer prompt". The rest is the scheduler's and the
 allocator's bookkeeping (status, block table, computed tokens, tokens pending), timestamps for
-the server's latencies, and what the request owns while it lives (detokenizer, random
-generator, grammar).
+the server's latencies, and what the request owns while it lives (detokenizer, the seed its
+draws are keyed by, grammar).
 
 A token is *pending* from the moment a step that samples it is scheduled until the engine
 appends it. The scheduler counts pending tokens as tokens (``num_tokens``), so an engine that
@@ -23,8 +23,6 @@ from typing import TYPE_CHECKING
 from minillm.decoding.sampling import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
-    import torch
-
     from minillm.decoding.detokenizer import IncrementalDetokenizer
     from minillm.decoding.logprobs import TokenLogprobs
     from minillm.decoding.structured import TokenGrammar
@@ -97,7 +95,7 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
     detokenizer: IncrementalDetokenizer | None = None  # set by the engine, which knows the tokenizer
-    generator: torch.Generator | None = None  # None for greedy requests (see sampling.make_generator)
+    seed: int | None = None  # what its draws are keyed by, with each token's position; None for greedy (sampling.request_seed)
     grammar: TokenGrammar | None = None  # with params.json_schema: which tokens may come next
     # With params.prompt_logprobs: entry j scores prompt token j + 1, filled in by the prefill
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)

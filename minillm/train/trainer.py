@@ -199,8 +199,7 @@ def sample(model: GPT, max_new_tokens: int = 60, prompt: str = "", seed: int = 0
     """A short sample from the start of a story (top-k 40 at temperature 0.8), for progress logs."""
     tok = get_tokenizer()
     ids = [tok.eot, *tok.encode(prompt)]
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    out = generate_naive(model, ids, max_new_tokens, temperature=0.8, top_k=40, stop_token=tok.eot, generator=gen)
+    out = generate_naive(model, ids, max_new_tokens, temperature=0.8, top_k=40, stop_token=tok.eot, seed=seed)
     return prompt + tok.decode([t for t in out if t != tok.eot])
 
 

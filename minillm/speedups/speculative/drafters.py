@@ -1,6 +1,6 @@
 """The two drafters of speculative decoding (chapter 15): a small model, and a lookup.
 
-Both answer ``propose(tokens, k, params, generator) -> Draft``: the sequence's likely next
+Both answer ``propose(tokens, k, params, seed) -> Draft``: the sequence's likely next
 ``k`` tokens. :class:`ModelDrafter` runs a smaller GPT with the same tokenizer, ``k`` small
 passes a round; :class:`NgramDrafter`, prompt lookup (Saxena, 2023), costs no model and wins
 where the output repeats its input.
@@ -12,6 +12,7 @@ import torch
 
 from minillm.decoding.generate import ContiguousKVCache
 from minillm.model.gpt import GPT
+from minillm.decoding.draws import Stream, uniform
 from minillm.decoding.sampling import SamplingParams
 from minillm.speedups.speculative.rule import Draft, distribution, draw
 
@@ -19,7 +20,8 @@ from minillm.speedups.speculative.rule import Draft, distribution, draw
 class ModelDrafter:
     """A draft model with a KV cache over one sequence. Each ``propose`` keeps the cached
     prefix that still matches the sequence (the rollback after a rejection, found by
-    comparison), feeds the rest, then drafts one forward pass at a time."""
+    comparison), feeds the rest, then drafts one forward pass at a time. Sampled, the guess at
+    position ``j`` is the request's ``Stream.DRAFT`` draw for ``j`` (``seed`` must be given)."""
 
     def __init__(self, model: GPT) -> None:
         self.model = model.eval()
@@ -30,7 +32,7 @@ class ModelDrafter:
 
     @torch.no_grad()
     def propose(
-        self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None = None
+        self, tokens: list[int], k: int, params: SamplingParams, seed: int | None = None
     ) -> Draft:
         k = min(k, self.context - len(tokens) + 1)  # the last draft token is never fed
         if k <= 0 or not tokens:
@@ -44,7 +46,7 @@ class ModelDrafter:
                 token = int(logits.argmax())
             else:
                 q = distribution(logits[None], params)[0]
-                token = draw(q, generator)
+                token = draw(q, uniform(seed, len(tokens) + i, Stream.DRAFT))
                 probs.append(q)
             drafted.append(token)
             if i < k - 1:
@@ -71,7 +73,7 @@ class NgramDrafter:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def propose(
-        self, tokens: list[int], k: int, params: SamplingParams | None = None, generator: torch.Generator | None = None
+        self, tokens: list[int], k: int, params: SamplingParams | None = None, seed: int | None = None
     ) -> Draft:
         if k <= 0:
             return Draft()

@@ -8,6 +8,13 @@ the target's: with ``p`` the target's and ``q`` the drafter's distribution, acce
 ``max(0, p - q)``, normalised, and stop; if all ``k`` pass, draw a bonus token from ``p``.
 Greedy, both are one-hot: accept while the draft matches the argmax. Every pass yields at least
 one token; what speculation can lose is the drafter's time.
+
+Sampled, every number is a request's counter-based draw (:mod:`minillm.decoding.draws`) for
+the position of the token it decides, in a stream of its own: the draft's guess
+(``Stream.DRAFT``), the test of it (``Stream.ACCEPT``) and the token drawn after a rejection or
+all accepted (``Stream.RESIDUAL``). Separate streams keep the test's number independent of the
+guess it tests, as the rule's proof needs; positions past a rejection are drafted again the
+next round, and nothing decided so far used their numbers.
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ import torch
 
 from minillm.decoding.generate import ContiguousKVCache, check_prompt
 from minillm.model.gpt import GPT
-from minillm.decoding.sampling import SamplingParams, distribution
+from minillm.decoding.draws import Stream, uniform
+from minillm.decoding.sampling import SamplingParams, distribution, invert_cdf, request_seed
 
 
 @dataclass
@@ -75,25 +83,24 @@ class SpeculativeStats:
         return self.generated / self.target_passes if self.target_passes else 0.0
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from a (possibly unnormalised) probability row."""
-    return int(torch.multinomial(probs, 1, generator=generator)[0])
-
-
-def _uniform(generator: torch.Generator | None, device: torch.device) -> float:
-    return float(torch.rand(1, generator=generator, device=generator.device if generator else device)[0])
+def draw(probs: torch.Tensor, u: float) -> int:
+    """The token at ``u`` (in [0, 1)) of a (possibly unnormalised) probability row's CDF, in
+    vocabulary order: a draw from the row, when ``u`` is uniform."""
+    return int(invert_cdf(probs[None], torch.tensor([u], device=probs.device))[0])
 
 
 @torch.no_grad()
 def accept(
-    target_logits: torch.Tensor, draft: Draft, params: SamplingParams, generator: torch.Generator | None = None
+    target_logits: torch.Tensor, draft: Draft, params: SamplingParams, seed: int | None = None, position: int = 0
 ) -> tuple[int, int]:
     """Check ``draft`` against the target; returns ``(n_accepted, next_token)``.
 
     ``target_logits`` is ``[len(draft) + 1, vocab]``: row ``i`` is the target's prediction
     after the context plus the first ``i`` drafted tokens. The output of the step is
     ``draft.tokens[:n_accepted] + [next_token]``: the accepted prefix, then either the
-    replacement for the first rejected token or, if none was rejected, a bonus token.
+    replacement for the first rejected token or, if none was rejected, a bonus token. Drafted
+    token ``i`` is the sequence's token ``position + i``; sampled, each decision draws by
+    ``seed`` at the position of the token it decides (None only for greedy params).
     """
     k = len(draft)
     if target_logits.shape[0] != k + 1:
@@ -102,10 +109,12 @@ def accept(
         best = target_logits.argmax(dim=-1).tolist()
         n = next((i for i, token in enumerate(draft.tokens) if token != best[i]), k)
         return n, best[n]
+    if seed is None:
+        raise ValueError("a sampled acceptance test needs the request's seed")
     p = distribution(target_logits, params)
     for i, x in enumerate(draft.tokens):
         q_x = 1.0 if draft.probs is None else float(draft.probs[i, x])
-        if _uniform(generator, p.device) * q_x < float(p[i, x]):  # u < p(x) / q(x), without dividing
+        if uniform(seed, position + i, Stream.ACCEPT) * q_x < float(p[i, x]):  # u < p(x) / q(x), without dividing
             continue
         if draft.probs is None:
             residual = p[i].clone()
@@ -114,8 +123,8 @@ def accept(
             residual = (p[i] - draft.probs[i]).clamp(min=0.0)
         if float(residual.sum()) <= 0.0:  # p == q up to rounding: the residual is empty
             residual = p[i]
-        return i, draw(residual, generator)
-    return k, draw(p[k], generator)
+        return i, draw(residual, uniform(seed, position + i, Stream.RESIDUAL))
+    return k, draw(p[k], uniform(seed, position + k, Stream.RESIDUAL))
 
 
 def rollback(cache: ContiguousKVCache, length: int) -> None:
@@ -156,21 +165,23 @@ def generate_speculative(
     temperature: float = 0.0,
     top_k: int | None = None,
     stop_token: int | None = None,
-    generator: torch.Generator | None = None,
+    seed: int | None = None,
 ) -> SpeculativeOutput:
     """Continue ``prompt`` like :func:`minillm.decoding.generate.generate_kv_cache`, with speculation.
 
     ``drafter`` is a :class:`minillm.speedups.speculative.drafters.ModelDrafter` or :class:`~minillm.speedups.speculative.drafters.NgramDrafter`
-    (anything with ``propose(tokens, k, params, generator) -> Draft``). The target's cache
+    (anything with ``propose(tokens, k, params, seed) -> Draft``). The target's cache
     always holds every token but the last; each round drafts up to ``num_speculative_tokens``,
     runs the target once over the last token and the draft, keeps what :func:`accept` accepts
     and rolls the cache back past the rest. Greedy output equals the target's alone, token for
-    token; sampled output has the target's distribution.
+    token; sampled output has the target's distribution, and the same ``seed`` gives the same
+    tokens.
     """
     check_prompt(target, prompt, max_new_tokens, slide=False)
     if num_speculative_tokens < 0:
         raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
-    params = SamplingParams(max_tokens=max(max_new_tokens, 1), temperature=temperature, top_k=top_k)
+    params = SamplingParams(max_tokens=max(max_new_tokens, 1), temperature=temperature, top_k=top_k, seed=seed)
+    seed = request_seed(params)  # one for the whole run, as the engine keeps one per request
     stats, tokens, new = SpeculativeStats(), list(prompt), []
     if max_new_tokens == 0:
         return SpeculativeOutput(new, stats)
@@ -179,8 +190,8 @@ def generate_speculative(
         target.hidden_states(torch.tensor([prompt[:-1]], device=target.device), cache=cache)
     while len(new) < max_new_tokens:
         k = min(num_speculative_tokens, max_new_tokens - len(new) - 1)
-        draft = drafter.propose(tokens, k, params, generator) if k > 0 else Draft()
-        n, token = accept(verify_logits(target, cache, tokens[-1], draft), draft, params, generator)
+        draft = drafter.propose(tokens, k, params, seed) if k > 0 else Draft()
+        n, token = accept(verify_logits(target, cache, tokens[-1], draft), draft, params, seed, len(tokens))
         rollback(cache, len(tokens) + n)
         emitted = draft.tokens[:n] + [token]
         stats.record(len(draft), n, len(emitted))

@@ -34,7 +34,7 @@ from minillm.speedups.speculative.rule import Draft, SpeculativeStats, accept
 
 
 class Drafter(Protocol):
-    def propose(self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
+    def propose(self, tokens: list[int], k: int, params: SamplingParams, seed: int | None) -> Draft:
         ...
 
 
@@ -70,7 +70,7 @@ class Speculator:
         drafter it keeps for its whole life, made on its first draft."""
         if seq not in self.drafters:
             self.drafters[seq] = self.make_drafter()
-        return self.drafters[seq].propose(seq.token_ids, room, seq.params, seq.generator)
+        return self.drafters[seq].propose(seq.token_ids, room, seq.params, seq.seed)
 
 
 class SpeculativeRunner:
@@ -111,7 +111,7 @@ class SpeculativeRunner:
         positions = torch.arange(span.start, span.start + span.num_tokens, device=runner.device)
         attention = PagedAttention(runner.pool, prefill.slots[span.start :], [], [prefill], backend=runner.attention)
         hidden = runner.model.hidden_states(tokens[None], positions[None], attention)[0]
-        return accept(runner.model.logits(hidden).float(), draft, seq.params, seq.generator)
+        return accept(runner.model.logits(hidden).float(), draft, seq.params, seq.seed, span.start + 1)
 
 
 class SpeculativeEngine(LLMEngine):
