@@ -108,6 +108,32 @@ def test_overlapped_serves_what_serial_serves(model: GPT, stops, options) -> Non
     assert llm.engine.allocator.prefix_hit_rate > 0
 
 
+def test_a_seeded_request_draws_the_same_tokens_whether_or_not_it_is_preempted(model: GPT) -> None:
+    """A token's draw is keyed by the request's seed and the token's position, so a request
+    preempted and recomputed (a longer prompt that samples at the same position) draws what it
+    would have drawn had it kept its blocks: serial or overlapped, roomy pool or tight. The
+    requests keep their top 20 or 40 tokens: a batch of another size rounds the logits' last
+    bits differently, which a draw over 50,000 near-equal tokens can feel (steps of 1e-5 in
+    the CDF), and one over a few dozen cannot."""
+    prompts = [list(range(1000 + 37 * i, 1030 + 37 * i)) for i in range(6)]
+    params = [SamplingParams(max_tokens=40, temperature=1.0, top_k=20 if i % 2 else 40, top_p=0.95 if i % 3 else 1.0,
+                             seed=10 + i, ignore_eos=True) for i in range(6)]
+    runs = {}
+    for overlap in (False, True):
+        for pool, options in (("roomy", dict(block_size=8)), ("tight", dict(block_size=8, num_blocks=16, max_num_seqs=6))):
+            engine = LLM(model, async_scheduling=overlap, **options).engine
+            seqs = [engine.add_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+            while engine.has_unfinished:
+                engine.step()
+            runs[overlap, pool] = [s.output_ids for s in seqs], [s.num_preemptions for s in seqs]
+    tokens = runs[False, "roomy"][0]
+    assert all(outputs == tokens for outputs, _ in runs.values())
+    assert all(len(t) == 40 and len(set(t)) > 10 for t in tokens)  # sampled, not stuck on a few tokens
+    for overlap in (False, True):
+        assert sum(runs[overlap, "roomy"][1]) == 0
+        assert sum(n > 0 for n in runs[overlap, "tight"][1]) >= 2  # several seeded requests were preempted
+
+
 def test_captured_steps_fill_pending_tokens_on_the_device(model: GPT, stops, monkeypatch) -> None:
     """The captured step (a CUDA graph's contract, recorded and replayed on the CPU) reads its
     pending tokens from the previous step's sampled ones, copied into its static buffer."""
