@@ -51,20 +51,13 @@ def padded_decode_attention(
 
 
 # The same function as one opaque operator, for torch.compile: traced, the trimmed width would
-# be a new shape (a recompile) every time the longest row crosses a block boundary. Defined by
-# its schema (``(a!)``: the op writes the pools) rather than with ``torch.library.custom_op``,
-# whose Python wrapper cost 40 µs a call here (a layer's whole attention at batch 1 takes
-# about 45): once per layer per step, a fixed cost the captured step exists to remove.
-_LIBRARY = torch.library.Library("minillm", "FRAGMENT")
-_LIBRARY.define(
-    "padded_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, int layer, "
-    "Tensor slots, Tensor tables, Tensor lengths, bool trim, str backend) -> Tensor"
+# be a new shape (a recompile) every time the longest row crosses a block boundary.
+padded_decode_op = torch.library.custom_op(
+    "minillm::padded_decode_attention", padded_decode_attention, mutates_args=("k_pool", "v_pool")
 )
-_LIBRARY.impl("padded_decode_attention", padded_decode_attention, "CompositeExplicitAutograd")
-padded_decode_op = torch.ops.minillm.padded_decode_attention.default
 
 
-@torch.library.register_fake("minillm::padded_decode_attention")
+@padded_decode_op.register_fake
 def _(q, k, v, k_pool, v_pool, layer, slots, tables, lengths, trim, backend):  # noqa: ANN001
     return torch.empty_like(q)
 
