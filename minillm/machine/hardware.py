@@ -75,7 +75,8 @@ def device_name(device: torch.device | str | None = None) -> str:
         return torch.cuda.get_device_name(device)
     if device.type == "mps":
         return "Apple GPU (mps)"
-    return f"{_cpu_model()} ({torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    return f"{_cpu_model()} ({threads} thread{'s' if threads != 1 else ''})"
 
 
 def _cpu_model() -> str:
