@@ -1,0 +1,281 @@
+// The small-batch linear: y = x @ W.T (+ b) for a few rows of x, reading W once.
+//
+// At decoding's batch sizes a product's time is the time to read its weight. This kernel
+// streams each weight row once from memory and multiplies it into every row of x while it sits
+// in registers (or, for the later groups of rows, in L1): a tile of R weight rows against G
+// rows of x keeps R x G dot products in R x G vector accumulators, and a block of R weight rows
+// meets the rows of x G at a time. Threads split the weight's rows (at::parallel_for), so each
+// reads its own slab once.
+//
+// Three paths, chosen at run time by what the CPU has, each compiled for its own instructions
+// (target attributes), so one build runs on any x86-64:
+//   avx512  fp32: 16-lane FMA; bf16: _mm512_dpbf16_ps on pairs of bf16 (AVX512-BF16), fp32 sums
+//   avx2    fp32: 8-lane FMA; bf16: widened to fp32 (a shift), then FMA
+//   scalar  plain loops, for any CPU (and any other architecture)
+// Every path sums in fp32 and rounds the result once to the output's dtype.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define MINILLM_X86 1
+#include <immintrin.h>
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
+#define AVX2 __attribute__((target("avx2,fma")))
+#endif
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+inline float to_float(float v) { return v; }
+inline float to_float(bf16 v) { return static_cast<float>(v); }
+inline void store(float* p, float v) { *p = v; }
+inline void store(bf16* p, float v) { *p = bf16(v); }  // round to nearest even
+
+// Every tile has the same arguments: R weight rows from `w` (ld_w apart), G rows of x from `x`
+// (K apart), R outputs per row of x into `y` (ld_y apart), plus `bias` (R values) if not null.
+#define TILE_ARGS const T *w, int64_t ld_w, const T *x, int64_t K, const T *bias, T *y, int64_t ld_y
+
+template <int RR, int GG, typename T>
+inline void finish(const float (&sums)[RR][GG], const T* bias, T* y, int64_t ld_y) {
+  for (int r = 0; r < RR; ++r) {
+    const float b = bias ? to_float(bias[r]) : 0.0f;
+    for (int g = 0; g < GG; ++g) store(y + g * ld_y + r, sums[r][g] + b);
+  }
+}
+
+struct Scalar {
+  static constexpr int R = 4, G = 4;
+  template <int RR, int GG, typename T>
+  static void tile(TILE_ARGS) {
+    float sums[RR][GG] = {};
+    for (int64_t k = 0; k < K; ++k)
+      for (int r = 0; r < RR; ++r)
+        for (int g = 0; g < GG; ++g) sums[r][g] += to_float(w[r * ld_w + k]) * to_float(x[g * K + k]);
+    finish<RR, GG>(sums, bias, y, ld_y);
+  }
+};
+
+#ifdef MINILLM_X86
+
+// 4 x 4 tiles: 16 accumulators, 4 weight vectors and a row of x in 21 of the 32 registers; each
+// load of x feeds 4 FMAs, each load of a weight 4 more.
+struct Avx512 {
+  static constexpr int R = 4, G = 4;
+
+  template <int RR, int GG>
+  AVX512 static void tile(const float* w, int64_t ld_w, const float* x, int64_t K, const float* bias, float* y,
+                          int64_t ld_y) {
+    __m512 acc[RR][GG];
+    for (int r = 0; r < RR; ++r)
+      for (int g = 0; g < GG; ++g) acc[r][g] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 m = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+      __m512 wv[RR];
+      for (int r = 0; r < RR; ++r) wv[r] = _mm512_maskz_loadu_ps(m, w + r * ld_w + k);
+      for (int g = 0; g < GG; ++g) {
+        const __m512 xv = _mm512_maskz_loadu_ps(m, x + g * K + k);
+        for (int r = 0; r < RR; ++r) acc[r][g] = _mm512_fmadd_ps(wv[r], xv, acc[r][g]);
+      }
+    }
+    float sums[RR][GG];
+    for (int r = 0; r < RR; ++r)
+      for (int g = 0; g < GG; ++g) sums[r][g] = _mm512_reduce_add_ps(acc[r][g]);
+    finish<RR, GG>(sums, bias, y, ld_y);
+  }
+
+  // bf16: one instruction multiplies 16 pairs of neighbours along k and adds both products to
+  // 16 fp32 sums, so weights and activations stay as stored: no repacking, 32 values a step.
+  template <int RR, int GG>
+  AVX512 static void tile(const bf16* w, int64_t ld_w, const bf16* x, int64_t K, const bf16* bias, bf16* y,
+                          int64_t ld_y) {
+    __m512 acc[RR][GG];
+    for (int r = 0; r < RR; ++r)
+      for (int g = 0; g < GG; ++g) acc[r][g] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+      const __mmask32 m = K - k >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (K - k)) - 1);
+      __m512i wv[RR];
+      for (int r = 0; r < RR; ++r) wv[r] = _mm512_maskz_loadu_epi16(m, w + r * ld_w + k);
+      for (int g = 0; g < GG; ++g) {
+        const __m512i xv = _mm512_maskz_loadu_epi16(m, x + g * K + k);
+        for (int r = 0; r < RR; ++r) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], (__m512bh)wv[r], (__m512bh)xv);
+      }
+    }
+    float sums[RR][GG];
+    for (int r = 0; r < RR; ++r)
+      for (int g = 0; g < GG; ++g) sums[r][g] = _mm512_reduce_add_ps(acc[r][g]);
+    finish<RR, GG>(sums, bias, y, ld_y);
+  }
+};
+
+AVX2 inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+AVX2 inline __m256 load8(const bf16* p) {  // bf16 is fp32's top half: widen and shift
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// 4 x 2 tiles: 8 accumulators, 4 weight vectors and a row of x in 13 of the 16 registers.
+// The last K % 8 columns are summed one by one.
+struct Avx2 {
+  static constexpr int R = 4, G = 2;
+
+  template <int RR, int GG, typename T>
+  AVX2 static void tile(TILE_ARGS) {
+    __m256 acc[RR][GG];
+    for (int r = 0; r < RR; ++r)
+      for (int g = 0; g < GG; ++g) acc[r][g] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+      __m256 wv[RR];
+      for (int r = 0; r < RR; ++r) wv[r] = load8(w + r * ld_w + k);
+      for (int g = 0; g < GG; ++g) {
+        const __m256 xv = load8(x + g * K + k);
+        for (int r = 0; r < RR; ++r) acc[r][g] = _mm256_fmadd_ps(wv[r], xv, acc[r][g]);
+      }
+    }
+    float sums[RR][GG];
+    for (int r = 0; r < RR; ++r)
+      for (int g = 0; g < GG; ++g) {
+        sums[r][g] = hsum(acc[r][g]);
+        for (int64_t t = k; t < K; ++t) sums[r][g] += to_float(w[r * ld_w + t]) * to_float(x[g * K + t]);
+      }
+    finish<RR, GG>(sums, bias, y, ld_y);
+  }
+};
+
+#endif  // MINILLM_X86
+
+// tile<RR, gg> for a run-time gg in 1..GG (the last group of rows of x may be short).
+template <class Path, int RR, int GG, typename T>
+inline void tile_rows(int gg, TILE_ARGS) {
+  if constexpr (GG > 0) {
+    if (gg == GG) return Path::template tile<RR, GG>(w, ld_w, x, K, bias, y, ld_y);
+    tile_rows<Path, RR, GG - 1>(gg, w, ld_w, x, K, bias, y, ld_y);
+  }
+}
+
+// Weight rows [begin, end) against all M rows of x: a block of R weight rows at a time, met by
+// the rows of x G at a time. Only the first group reads the block from memory; the others find
+// it in L1 (R rows of K values: 32 KiB at K = 2,048 in fp32).
+template <class Path, typename T>
+void rows(int64_t begin, int64_t end, int64_t M, TILE_ARGS) {
+  constexpr int R = Path::R, G = Path::G;
+  for (int64_t j = begin; j < end; j += R) {
+    const int rr = static_cast<int>(std::min<int64_t>(R, end - j));
+    for (int64_t g0 = 0; g0 < M; g0 += G) {
+      const int gg = static_cast<int>(std::min<int64_t>(G, M - g0));
+      const T* b = bias ? bias + j : nullptr;
+      const T *wj = w + j * ld_w, *xg = x + g0 * K;
+      T* yg = y + g0 * ld_y + j;
+      if (rr == R)
+        tile_rows<Path, R, G>(gg, wj, ld_w, xg, K, b, yg, ld_y);
+      else  // the last block of a weight whose rows are not a multiple of R: one row at a time
+        for (int r = 0; r < rr; ++r) tile_rows<Path, 1, G>(gg, wj + r * ld_w, ld_w, xg, K, b ? b + r : b, yg + r, ld_y);
+    }
+  }
+}
+
+// Threads take equal runs of R-row blocks; a run is at least ~64 KiB of weight (below that, the
+// fork costs more than a second thread saves).
+template <class Path, typename T>
+void product(int64_t N, int64_t M, TILE_ARGS) {
+  constexpr int R = Path::R;
+  const int64_t blocks = (N + R - 1) / R;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (R * std::max<int64_t>(K, 1) * int64_t(sizeof(T))));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    rows<Path, T>(b0 * R, std::min(b1 * R, N), M, w, ld_w, x, K, bias, y, ld_y);
+  });
+}
+
+bool has(const char* feature) {
+#ifdef MINILLM_X86
+  __builtin_cpu_init();
+  if (std::string(feature) == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  if (std::string(feature) == "avx512bf16")
+    return has("avx512") && __builtin_cpu_supports("avx512bf16");
+  if (std::string(feature) == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  return std::string(feature) == "scalar";
+}
+
+// The paths this CPU runs for weights of `dtype`, fastest first.
+std::vector<std::string> paths(c10::ScalarType dtype) {
+  std::vector<std::string> out;
+  if (has(dtype == at::kBFloat16 ? "avx512bf16" : "avx512")) out.push_back("avx512");
+  if (has("avx2")) out.push_back("avx2");
+  out.push_back("scalar");
+  return out;
+}
+
+std::vector<std::string> small_linear_paths(c10::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "small_linear: float32 or bfloat16, not ", dtype);
+  return paths(dtype);
+}
+
+template <typename T>
+void run(const std::string& path, int64_t N, int64_t M, TILE_ARGS) {
+#ifdef MINILLM_X86
+  if (path == "avx512") return product<Avx512, T>(N, M, w, ld_w, x, K, bias, y, ld_y);
+  if (path == "avx2") return product<Avx2, T>(N, M, w, ld_w, x, K, bias, y, ld_y);
+#endif
+  product<Scalar, T>(N, M, w, ld_w, x, K, bias, y, ld_y);
+}
+
+// y = x @ weight.T + bias for x [..., K], weight [N, K] (rows may be apart, columns adjacent),
+// bias [N] or none, all of one dtype (float32 or bfloat16). `path` picks a path by name ("" is
+// the fastest this CPU runs): the tests run each one on the same numbers.
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                        c10::string_view path) {
+  TORCH_CHECK(weight.dim() == 2 && weight.stride(1) == 1, "small_linear: weight must be [out, in] with adjacent columns");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "small_linear: float32 or bfloat16 weights, not ", dtype);
+  TORCH_CHECK(x.scalar_type() == dtype, "small_linear: x is ", x.scalar_type(), ", weight is ", dtype);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "small_linear: x's last dimension must be ", K);
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == dtype && b.numel() == N, "small_linear: bias must be [", N, "] of ", dtype);
+  }
+  const at::Tensor rows = x.reshape({-1, K}).contiguous();
+  const int64_t M = rows.size(0);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty({M, N}, x.options());
+  const auto runs = paths(dtype);
+  const std::string chosen = path.empty() ? runs.front() : std::string(path);
+  TORCH_CHECK(std::find(runs.begin(), runs.end(), chosen) != runs.end(), "small_linear: this CPU cannot run path '",
+              chosen, "' for ", dtype);
+  if (M > 0 && N > 0) {
+    if (dtype == at::kFloat)
+      run<float>(chosen, N, M, weight.data_ptr<float>(), weight.stride(0), rows.data_ptr<float>(), K,
+                 b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), N);
+    else
+      run<bf16>(chosen, N, M, weight.data_ptr<bf16>(), weight.stride(0), rows.data_ptr<bf16>(), K,
+                b.defined() ? b.data_ptr<bf16>() : nullptr, y.data_ptr<bf16>(), N);
+  }
+  return y.view(shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(minillm, m) {
+  m.def("small_linear(Tensor x, Tensor weight, Tensor? bias=None, str path='') -> Tensor");
+  m.def("small_linear_paths(ScalarType dtype) -> str[]", &small_linear_paths);
+}
+
+TORCH_LIBRARY_IMPL(minillm, CPU, m) { m.impl("small_linear", &small_linear); }

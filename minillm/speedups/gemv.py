@@ -1,0 +1,91 @@
+"""A small-batch linear for the CPU that reads each weight once: ``gemv.cpp``, built on first use.
+
+A decode step multiplies a few rows (one per sequence) by every weight matrix. Its time should
+be the time to read the weights, whatever the rows, up to the ridge batch. Library GEMMs are
+tuned for many rows: at one to sixteen they re-read or re-pack the weight, or run far below
+memory speed. ``gemv.cpp`` streams each weight row once and multiplies it into every row of
+``x`` while it sits in registers (fp32 FMA, or bf16 pairs with AVX512-BF16, summed in fp32),
+threads splitting the weight's rows.
+
+:func:`load` compiles it with ``torch.utils.cpp_extension`` into the cache (once per source,
+PyTorch and Python version) and registers ``torch.ops.minillm.small_linear``, a torch operator
+with a fake implementation, so a compiled step can carry it too. Where it cannot be built (no
+compiler, no ninja) it says so once, and :func:`load` returns False: callers keep the library's
+product. :mod:`minillm.speedups.packed` times it against the other roads per weight shape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from minillm.settings import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("gemv.cpp")
+DTYPES = (torch.float32, torch.bfloat16)
+
+_loaded: bool | None = None  # None: not tried yet in this process
+
+
+def build() -> None:
+    """Compile ``gemv.cpp`` (or find it compiled) and load it; raises if that fails."""
+    from torch.utils import cpp_extension
+
+    scripts = sysconfig.get_path("scripts")  # where pip put ninja, if the environment is not activated
+    if shutil.which("ninja") is None and shutil.which("ninja", path=scripts):
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    text = SOURCE.read_bytes()
+    tag = hashlib.sha256(text + f"{torch.__version__} {sys.version} {platform.machine()}".encode()).hexdigest()[:12]
+    cpp_extension.load(name="minillm_gemv", sources=[str(SOURCE)], extra_cflags=["-O3", "-std=c++17"],
+                       build_directory=str(cache_dir("extensions", f"gemv-{tag}")), is_python_module=False)
+    torch.library.register_fake("minillm::small_linear")(_fake)
+
+
+def load() -> bool:
+    """Whether ``torch.ops.minillm.small_linear`` is here: built and loaded on the first call,
+    the answer kept for the process. A failure is logged once, in one line."""
+    global _loaded
+    if _loaded is None:
+        try:
+            build()
+            _loaded = True
+        except Exception as err:  # a compiler's or loader's failure, whatever its type
+            reason = " ".join(str(err).split())[:300] or type(err).__name__
+            log.warning("the small-batch CPU kernel (minillm/speedups/gemv.cpp) did not build, so products take "
+                        "the library's path: %s", reason)
+            _loaded = False
+    return _loaded
+
+
+def supports(weight: torch.Tensor) -> bool:
+    """Whether :func:`small_linear` can multiply by ``weight`` (loading the kernel if need be)."""
+    return (weight.device.type == "cpu" and weight.dtype in DTYPES and weight.dim() == 2
+            and weight.stride(1) == 1 and load())
+
+
+def paths(dtype: torch.dtype) -> list[str]:
+    """The kernel's paths this CPU runs for ``dtype`` weights, fastest first: ``avx512`` (FMA;
+    for bf16 it needs AVX512-BF16), ``avx2``, ``scalar``."""
+    return list(torch.ops.minillm.small_linear_paths(dtype)) if load() else []
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, path: str = "") -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` by the kernel (``path``: one of :func:`paths`, or the
+    fastest): ``x`` of any shape ``[..., in]`` and strides, ``weight`` ``[out, in]`` with
+    adjacent columns, one dtype (float32 or bfloat16) for all. Call :func:`load` first."""
+    return torch.ops.minillm.small_linear(x, weight, bias, path)
+
+
+def _fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, path: str = "") -> torch.Tensor:
+    """The operator's output without running it: what a compiler's tracing needs."""
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
