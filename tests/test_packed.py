@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from minillm.speedups import packed
+from minillm.speedups import gemv, packed
 from minillm.model.config import get_preset
 from minillm.engine import LLM
 from minillm.model.gpt import GPT
@@ -83,9 +83,13 @@ def test_slabs_share_the_rows_evenly_between_threads():
     assert packed.slabs_for(7, 2) == 1 and packed.slabs_for(1024, 1) == 1
 
 
-@pytest.mark.parametrize("road", ["slabs", "packed", "plain"])
+# Each road under test at one row, with another at two to FEW_ROWS rows.
+FEW = {"slabs": "gemv", "packed": "plain", "plain": "gemv", "gemv": "packed"}
+
+
+@pytest.mark.parametrize("road", list(FEW))
 @torch.inference_mode()
-def test_one_row_takes_its_timed_road_and_more_rows_the_packed_kernel(monkeypatch, road):
+def test_each_row_count_takes_its_timed_road_and_many_rows_the_packed_kernel(monkeypatch, road):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -97,10 +101,13 @@ def test_one_row_takes_its_timed_road_and_more_rows_the_packed_kernel(monkeypatc
             self.names.add(func.__name__.split(".")[0])
             return func(*args, **(kwargs or {}))
 
-    # whatever this machine would time, the road under test is the fastest
-    monkeypatch.setattr(packed, "_ONE_ROW", {})
-    monkeypatch.setattr(packed, "time_one_row", lambda w, p, slabs: {"slabs": 3.0, "packed": 2.0, "plain": 1.0,
-                                                                     road: 0.0})
+    few = FEW[road]
+    if "gemv" in (road, few) and not gemv.load():
+        pytest.skip("the small-batch kernel did not build here")
+    # whatever this machine would time, the roads under test are the fastest
+    monkeypatch.setattr(packed, "_ROADS", {})
+    monkeypatch.setattr(packed, "time_roads", lambda w, p, slabs, rows: {
+        "slabs": 4.0, "packed": 3.0, "plain": 2.0, "gemv": 1.0, road if rows == 1 else few: 0.0})
     torch.manual_seed(0)
     layer = nn.Linear(64, 58)  # 58 = 2 x 29 rows
     head = nn.Linear(64, 29 * 3, bias=False)  # an odd row count, cut in 29 slabs of 3
@@ -108,33 +115,40 @@ def test_one_row_takes_its_timed_road_and_more_rows_the_packed_kernel(monkeypatc
         fast = PackedLinear(plain)
         entry = packed._PACKED[packed._key(plain.weight)]
         assert entry.slabs == packed.slabs_for(plain.out_features, torch.get_num_threads())
-        assert entry.one_row == road
-        for rows in (1, 2, 5):
+        assert (entry.one_row, entry.few_rows) == (road, few)
+        for rows in (1, 2, 5, packed.FEW_ROWS, packed.FEW_ROWS + 1):
             x = torch.randn(rows, 64)
             with Ops() as seen:
                 y = fast(x)
             torch.testing.assert_close(y, plain(x), rtol=1e-5, atol=1e-5)
-            taken = road if rows == 1 else "packed"
+            taken = road if rows == 1 else few if rows <= packed.FEW_ROWS else "packed"
             assert bool(seen.names & {"bmm", "baddbmm"}) == (taken == "slabs")
             assert ("_linear_pointwise" in seen.names) == (taken == "packed")
             assert bool(seen.names & {"addmm", "mm", "linear"}) == (taken == "plain")
+            assert ("small_linear" in seen.names) == (taken == "gemv")
 
 
 @torch.inference_mode()
-def test_the_one_row_road_is_the_fastest_timed_and_timed_once_per_shape(monkeypatch):
-    timed, time_one_row = [], packed.time_one_row
+def test_the_roads_are_the_fastest_timed_and_timed_once_per_shape_and_row_count(monkeypatch):
+    timed, time_roads = [], packed.time_roads
 
-    def fake_time(weight, packed_copy, slabs):
-        timed.append(tuple(weight.shape))
+    def fake_time(weight, packed_copy, slabs, rows):
+        timed.append((tuple(weight.shape), rows))
+        if rows > 1:
+            return {"packed": 2.0, "plain": 3.0, "gemv": 1.0}
         return {"slabs": 2.0, "packed": 1.0, "plain": 3.0} if slabs > 1 else {"packed": 2.0, "plain": 1.0}
 
-    monkeypatch.setattr(packed, "_ONE_ROW", {})
-    monkeypatch.setattr(packed, "time_one_row", fake_time)
+    monkeypatch.setattr(packed, "_ROADS", {})
+    monkeypatch.setattr(packed, "time_roads", fake_time)
     torch.manual_seed(0)
     a, b, c = nn.Linear(64, 58), nn.Linear(64, 58), nn.Linear(64, 7)  # 7 rows cannot be split
     keep = [PackedLinear(m) for m in (a, b, c)]
-    assert [packed._PACKED[packed._key(m.weight)].one_row for m in (a, b, c)] == ["packed", "packed", "plain"]
-    assert timed == [(58, 64), (7, 64)]  # b's shape was already timed
-    seconds = time_one_row(a.weight, packed._PACKED[packed._key(a.weight)].packed, 2)
-    assert set(seconds) == {"slabs", "packed", "plain"} and all(t > 0 for t in seconds.values())
+    entries = [packed._PACKED[packed._key(m.weight)] for m in (a, b, c)]
+    assert [(e.one_row, e.few_rows) for e in entries] == [("packed", "gemv"), ("packed", "gemv"), ("plain", "gemv")]
+    rows = packed.TIMED_ROWS
+    assert timed == [((58, 64), 1), ((58, 64), rows), ((7, 64), 1), ((7, 64), rows)]  # b's shape was already timed
+    kernel = {"gemv"} if gemv.load() else set()
+    for slabs, rows, roads in ((2, 1, {"slabs", "packed", "plain"}), (2, rows, {"packed", "plain"})):
+        seconds = time_roads(a.weight, entries[0].packed, slabs, rows)
+        assert set(seconds) == roads | kernel and all(t > 0 for t in seconds.values())
     del keep

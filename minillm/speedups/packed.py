@@ -1,13 +1,16 @@
-"""Weights laid out for the CPU's matrix kernels: oneDNN's prepacked linear.
+"""Weights laid out for the CPU's matrix kernels: oneDNN's prepacked linear, and a kernel for few rows.
 
 At decoding's small batches PyTorch's default CPU product reads a weight well below memory
 speed: on a 2-core AVX2 machine the LM head (103 MB in fp32) takes 9 ms at batch 1 and 25 ms
 at batch 8. Reordered once into oneDNN's blocked layout it takes 5 and 7 ms.
 
-At one row the plainest kernel can win instead: each thread streams its own slab of the
-weight's rows as stored, one ``bmm`` over ``[slabs, out / slabs, in]`` (:func:`slabs_for`),
-1.2-1.5x faster than oneDNN here, but slower on a Xeon with AMX, where plain ``F.linear`` beat
-both on some shapes. So packing times the roads for one row per shape (:func:`one_row_road`).
+At a few rows a kernel written for them can win instead. At one row the plainest one: each
+thread streams its own slab of the weight's rows as stored, one ``bmm`` over
+``[slabs, out / slabs, in]`` (:func:`slabs_for`), 1.2-1.5x faster than oneDNN there, but
+slower on a Xeon with AMX, where plain ``F.linear`` beat both on some shapes. Up to
+:data:`FEW_ROWS` rows, :mod:`minillm.speedups.gemv`'s C++ kernel, which reads each weight once
+for all of them. Which is fastest depends on the CPU and the shape, so packing times the roads
+per shape at one row and at :data:`TIMED_ROWS` (:func:`road`); more rows take oneDNN's GEMM.
 
 :func:`pack_weights` returns a copy of the model that shares every parameter and multiplies
 through the packed copies (the only new memory). Eager steps only (a compiled step lets
@@ -27,17 +30,23 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minillm.model.gpt import GPT, TokenEmbedding
+from minillm.speedups import gemv
 from minillm.speedups.quant import is_quantized
+
+# Products of 2 to FEW_ROWS rows take the road timed at TIMED_ROWS rows; more rows, oneDNN's GEMM.
+FEW_ROWS, TIMED_ROWS = 16, 8
 
 @dataclass
 class PackedWeight:
-    """A weight's packed copy, how many modules use it, and how a one-row product by it goes:
-    ``"slabs"`` (``slabs`` slabs of rows, :func:`slabs_for`), ``"packed"`` (oneDNN's kernel)
-    or ``"plain"`` (``F.linear`` on the weight as stored), whichever was timed fastest."""
+    """A weight's packed copy, how many modules use it, and how a product by it goes at one row
+    and at two to :data:`FEW_ROWS`, whichever road was timed fastest: ``"slabs"`` (one row only:
+    ``slabs`` slabs of rows, :func:`slabs_for`), ``"packed"`` (oneDNN's kernel), ``"plain"``
+    (``F.linear`` on the weight as stored) or ``"gemv"`` (:func:`minillm.speedups.gemv.small_linear`)."""
 
     packed: torch.Tensor
     users: int
     one_row: str
+    few_rows: str
     slabs: int
 
 
@@ -62,15 +71,19 @@ def slabs_for(out_features: int, threads: int) -> int:
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` through ``weight``'s prepacked copy, or at one row by the
-    road timed fastest for it (:func:`one_row_road`). A weight with no packed copy (it was
-    cast or moved after packing) takes the plain product: same result."""
+    """``F.linear(x, weight, bias)`` by the road timed fastest for ``weight`` at this many rows
+    (:func:`road`), oneDNN's kernel on the packed copy past :data:`FEW_ROWS`. A weight with no
+    packed copy (it was cast or moved after packing) takes the plain product: same result."""
     entry = _PACKED.get(_key(weight))
     rows = x.reshape(-1, x.shape[-1])
-    if entry is None or (rows.shape[0] == 1 and entry.one_row == "plain"):
+    n = rows.shape[0]
+    road = "plain" if entry is None else entry.one_row if n == 1 else entry.few_rows if n <= FEW_ROWS else "packed"
+    if road == "plain":
         return F.linear(x, weight, bias)
-    n, (out_features, in_features), slabs = rows.shape[0], weight.shape, entry.slabs
-    if n == 1 and entry.one_row == "slabs":
+    if road == "gemv":
+        return gemv.small_linear(x, weight, bias)
+    (out_features, in_features), slabs = weight.shape, entry.slabs
+    if road == "slabs":
         stacked = weight.view(slabs, out_features // slabs, in_features)
         column = rows.t().expand(slabs, in_features, 1)
         if bias is None:
@@ -89,44 +102,50 @@ def _pack(owner: nn.Module, weight: torch.Tensor) -> None:
     if key in _PACKED:
         _PACKED[key].users += 1
     else:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        weight = weight.detach()
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         slabs = slabs_for(weight.shape[0], torch.get_num_threads()) if weight.is_contiguous() else 1
-        _PACKED[key] = PackedWeight(packed, 1, one_row_road(weight.detach(), packed, slabs), slabs)
+        _PACKED[key] = PackedWeight(packed, 1, road(weight, packed, slabs, 1), road(weight, packed, slabs, TIMED_ROWS),
+                                    slabs)
     weakref.finalize(owner, _release, key)
 
 
-# The fastest road for a one-row product, by (shape, dtype, threads): timed once per process.
-_ONE_ROW: dict[tuple, str] = {}
+# The fastest road by (shape, dtype, threads, slabs, rows): timed once per process.
+_ROADS: dict[tuple, str] = {}
 
 
-def one_row_road(weight: torch.Tensor, packed: torch.Tensor, slabs: int) -> str:
-    """How :func:`packed_linear` multiplies one row by ``weight``: whichever road
-    :func:`time_one_row` found fastest, timed once per shape and process (it depends on the CPU)."""
-    key = (tuple(weight.shape), weight.dtype, torch.get_num_threads(), slabs)
-    if key not in _ONE_ROW:
-        seconds = time_one_row(weight, packed, slabs)
-        _ONE_ROW[key] = min(seconds, key=seconds.get)
-    return _ONE_ROW[key]
+def road(weight: torch.Tensor, packed: torch.Tensor, slabs: int, rows: int) -> str:
+    """How :func:`packed_linear` multiplies ``rows`` rows by ``weight``: whichever road
+    :func:`time_roads` found fastest, timed once per shape and process (it depends on the CPU)."""
+    key = (tuple(weight.shape), weight.dtype, torch.get_num_threads(), slabs, rows)
+    if key not in _ROADS:
+        seconds = time_roads(weight, packed, slabs, rows)
+        _ROADS[key] = min(seconds, key=seconds.get)
+    return _ROADS[key]
 
 
 @torch.inference_mode()
-def time_one_row(weight: torch.Tensor, packed: torch.Tensor, slabs: int, rounds: int = 7) -> dict[str, float]:
-    """Median seconds of one row multiplied by ``weight`` on each road, over ``rounds``
-    interleaved rounds after one untimed call each (the slabs only where ``slabs`` > 1)."""
+def time_roads(weight: torch.Tensor, packed: torch.Tensor, slabs: int, rows: int,
+               rounds: int = 7) -> dict[str, float]:
+    """Median seconds of ``rows`` rows multiplied by ``weight`` on each road, over ``rounds``
+    interleaved rounds after one untimed call each: oneDNN's, plain ``F.linear``, the small-batch
+    kernel where it builds, and the slabs for one row where ``slabs`` > 1."""
     out_features, in_features = weight.shape
-    row = torch.randn(1, in_features, dtype=weight.dtype)
-    roads = {"packed": lambda: torch.ops.mkldnn._linear_pointwise(row, packed, None, "none", [], ""),
-             "plain": lambda: F.linear(row, weight)}
-    if slabs > 1:
-        stacked, column = weight.view(slabs, out_features // slabs, in_features), row.t().expand(slabs, in_features, 1)
+    x = torch.randn(rows, in_features, dtype=weight.dtype)
+    roads = {"packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+             "plain": lambda: F.linear(x, weight)}
+    if gemv.supports(weight):
+        roads["gemv"] = lambda: gemv.small_linear(x, weight)
+    if slabs > 1 and rows == 1:
+        stacked, column = weight.view(slabs, out_features // slabs, in_features), x.t().expand(slabs, in_features, 1)
         roads["slabs"] = lambda: torch.bmm(stacked, column)
     seconds: dict[str, list[float]] = {name: [] for name in roads}
-    for road in roads.values():
-        road()
+    for run in roads.values():
+        run()
     for _ in range(rounds):
-        for name, road in roads.items():
+        for name, run in roads.items():
             start = time.perf_counter()
-            road()
+            run()
             seconds[name].append(time.perf_counter() - start)
     return {name: statistics.median(times) for name, times in seconds.items()}
 
