@@ -4,6 +4,7 @@ the library's path and say so."""
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 
@@ -138,3 +139,30 @@ def test_without_the_kernel_products_take_the_librarys_path_and_say_so(monkeypat
                if isinstance(m, (packed.PackedLinear, packed.PackedTokenEmbedding))]
     assert entries and "gemv" not in {road for e in entries for road in (e.one_row, e.few_rows)}
     assert tokens(fast) == tokens(LLM(model, num_blocks=32, block_size=4, enforce_eager=True))
+
+
+def test_the_products_benchmark_times_every_road_and_a_steps_total(kernel, tmp_path, capsys):
+    from minillm.bench.__main__ import main
+
+    assert main(["products", "--presets", "tiny", "--rows", "1,3", "--dtypes", "float32", "--repeats", "1",
+                 "--max-copies", "2", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "products-cpu.json").read_text())
+    run = report["runs"]["tiny float32"]
+    assert set(run["shapes"]) == {"qkv", "attention out", "MLP up", "MLP down", "LM head"}
+    head = run["shapes"]["LM head"]["ms"]
+    assert set(head["1"]) == {"F.linear", "oneDNN packed", "slabs", "small-batch kernel"}  # 50,257 = 29 slabs
+    assert set(head["3"]) == {"F.linear", "oneDNN packed", "small-batch kernel"}
+    assert all(t > 0 for found in head.values() for times in found.values() for t in times)
+    assert "a step's products" in capsys.readouterr().out and (tmp_path / "products-cpu.png").is_file()
+
+
+def test_the_decode_benchmark_can_pack_without_the_kernel(kernel):
+    from minillm.bench.decode import without_small_kernel
+    from minillm.speedups.packed import pack_weights
+
+    model = tiny_model()
+    with without_small_kernel():
+        library = pack_weights(model)
+    entries = [packed._PACKED[packed._key(m.weight)] for m in library.modules() if isinstance(m, packed.PackedLinear)]
+    assert entries and "gemv" not in {road for e in entries for road in (e.one_row, e.few_rows)}
+    assert gemv.supports(model.tok_emb.weight)  # only while it built the engine

@@ -15,6 +15,7 @@ from minillm.bench import engine as eb
 from minillm.bench import extras as extras_bench
 from minillm.bench import gpu_check
 from minillm.bench import host as host_bench
+from minillm.bench import products as products_bench
 from minillm.bench import quant as quant_bench
 from minillm.bench import speculative as speculative_bench
 from minillm.bench import training as training_bench
@@ -67,6 +68,7 @@ def build_parser() -> ArgumentParser:
     quant_bench.add_arguments(sub.add_parser("quant", help="fp32, bf16, fp16, int8, int4: bytes, speed, quality"))
     extras_bench.add_arguments(sub.add_parser("extras", help="what penalties, logprobs and a JSON Schema cost a batch of 32"))
     host_bench.add_arguments(sub.add_parser("host", help="a decode step's host work, by phase, around a probe model"))
+    products_bench.add_arguments(sub.add_parser("products", help="a decode step's matrix products on every road, by rows"))
     gpu_check.add_arguments(sub.add_parser("gpu-check", help="every CUDA path run and measured, in a bounded run"))
     t = sub.add_parser("training", help="a training step profiled; plain vs fused loss vs fused AdamW")
     add_options(t, "--preset", "--dtypes", "--repeats", "--out", preset="cpu", repeats=5)
@@ -235,7 +237,7 @@ def bench_attention(args, out: Path) -> Path:
 RUNNERS = {"engine": bench_engine, "decode": bench_decode, "profile": bench_profile, "training": bench_training,
            "attention": bench_attention, "speculative": speculative_bench.run_from_args,
            "quant": quant_bench.run_from_args, "extras": extras_bench.run_from_args,
-           "host": host_bench.run_from_args}
+           "host": host_bench.run_from_args, "products": products_bench.run_from_args}
 
 
 if __name__ == "__main__":

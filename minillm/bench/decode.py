@@ -6,7 +6,9 @@ the rate is ``B x (tokens decoded)`` over the decode steps' time (prefill exclud
 reference, ``enforce_eager=True``; eager with weights prepacked for oneDNN,
 :mod:`minillm.speedups.packed`, a CPU's default; captured, :mod:`minillm.speedups.decode_graphs`:
 Inductor on a CPU, CUDA graphs on a GPU), ``transformers`` ``generate`` and, when
-``make llamacpp`` has built it, llama.cpp on the GGUF of the same weights.
+``make llamacpp`` has built it, llama.cpp on the GGUF of the same weights. On a CPU the packed
+engine also runs without the small-batch kernel (:mod:`minillm.speedups.gemv`), on the
+library's roads alone: what the kernel adds, measured side by side.
 
 Each rate is also given as a fraction of the roof: a step cannot beat reading every weight
 once (weight bytes over the bandwidth measured at that working-set size) nor doing its
@@ -16,10 +18,13 @@ moves from run to run, the ratios measured side by side much less.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import tempfile
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -30,6 +35,7 @@ from minillm.engine.build import build_engine
 from minillm.machine.hardware import measure_bandwidth, measure_matmul_flops
 from minillm.model.gpt import GPT, matmul_parameters
 from minillm.decoding.sampling import SamplingParams
+from minillm.speedups import gemv, packed
 
 PROMPT_LEN = 16
 NEW_TOKENS = 128
@@ -39,6 +45,23 @@ ENGINES = {  # method -> EngineConfig options
     "ours, eager + packed weights": dict(enforce_eager=None, pack_weights=True),
     "ours, plain eager": dict(enforce_eager=True),
 }
+# The packed engine on a CPU without the small-batch kernel (not an EngineConfig option: the
+# benchmark hides the kernel from packing's timing while it builds the engine)
+LIBRARY_ROADS = {"ours, packed, library roads": dict(enforce_eager=None, pack_weights=True)}
+
+
+@contextmanager
+def without_small_kernel():
+    """Packing as it was before the small-batch kernel: its road is not timed, so never taken.
+    The roads timed meanwhile are forgotten afterwards."""
+    saved = dict(packed._ROADS)
+    packed._ROADS.clear()
+    try:
+        with mock.patch.object(gemv, "supports", lambda weight: False):
+            yield
+    finally:
+        packed._ROADS.clear()
+        packed._ROADS.update(saved)
 
 
 def prompts(batch: int, vocab: int) -> list[list[int]]:
@@ -47,11 +70,13 @@ def prompts(batch: int, vocab: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def engine_rate(model: GPT, batch: int, new_tokens: int, **options) -> tuple[float, float]:
+def engine_rate(model: GPT, batch: int, new_tokens: int, small_kernel: bool = True, **options) -> tuple[float, float]:
     """Our engine's decode tokens/s at ``batch`` (and its start-up seconds: weight packing and
     compiling or recording the bucket). Every prompt is prefilled before the clock starts."""
+    gc.collect()  # an earlier engine's packed copies, and the roads they took, go now: this one has its own
     start = time.perf_counter()
-    engine = build_engine(model, EngineConfig(max_num_seqs=batch, kv_cache_memory="1GiB", **options))
+    with nullcontext() if small_kernel else without_small_kernel():
+        engine = build_engine(model, EngineConfig(max_num_seqs=batch, kv_cache_memory="1GiB", **options))
     if engine.graphs is not None:
         engine.graphs.prepare([engine.graphs.bucket(batch)])
     startup = time.perf_counter() - start
@@ -117,10 +142,12 @@ def run_decode_bench(model: GPT, batches: list[int], new_tokens: int, with_hf: b
     rates, startups = report["rates"], report["startup_s"]
     hf = as_transformers(model) if with_hf else None
     llama_dtype = "f32" if model.dtype == torch.float32 else "bf16"
+    if engines is None:
+        engines = ENGINES | (LIBRARY_ROADS if model.device.type == "cpu" else {})
     for round_ in range(repeats):
         for b in batches:
-            for method, options in (ENGINES if engines is None else engines).items():
-                rate, startup = engine_rate(model, b, new_tokens, **options)
+            for method, options in engines.items():
+                rate, startup = engine_rate(model, b, new_tokens, small_kernel=method not in LIBRARY_ROADS, **options)
                 rates.setdefault(method, {}).setdefault(b, []).append(rate)
                 startups.setdefault(method, {}).setdefault(b, []).append(startup)
                 print(f"  round {round_ + 1}: {method:<30} batch {b:>3}: {rate:8.1f} tok/s", flush=True)
@@ -147,6 +174,10 @@ def summary(report: dict) -> list[str]:
         for other in [m for m in median if m.startswith(("llama.cpp", "transformers"))]:
             ratios = ", ".join(f"batch {b} {median[ours][b] / r:.2f}x" for b, r in median[other].items())
             lines.append(f"  {ours.removeprefix('ours, ')} vs {other}: {ratios}")
+    default, library = "ours, eager + packed weights", next(iter(LIBRARY_ROADS))
+    if default in median and library in median:
+        ratios = ", ".join(f"batch {b} {median[default][b] / r:.2f}x" for b, r in median[library].items())
+        lines.append(f"  packed weights with the small-batch kernel vs {library.removeprefix('ours, ')}: {ratios}")
     return lines
 
 
