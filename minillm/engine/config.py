@@ -58,8 +58,8 @@ class EngineConfig:
     # in well under a second, while Inductor compiles for about a minute per batch bucket on a CPU.
     enforce_eager: bool | None = None
     # A copy of the model prepacked for oneDNN (minillm.speedups.packed, by build_engine): True
-    # insists, None packs where supported (float32 on a CPU) unless enforce_eager or memory_budget
-    # is given. oneDNN keeps a primitive per batch shape it has run (about 2.6 MB each on the tiny
+    # insists, None packs where supported (a CPU's float32, or bfloat16 with AVX-512) unless
+    # enforce_eager or memory_budget is given. oneDNN keeps a primitive per batch shape it has run (about 2.6 MB each on the tiny
     # preset), so a packed model grows past any warm-up: it is refused with memory_budget.
     pack_weights: bool | None = None
     # Overlap scheduling (vLLM's async scheduling): schedule and prepare step N+1, and append

@@ -14,7 +14,8 @@ per shape at one row and at :data:`TIMED_ROWS` (:func:`road`); more rows take on
 
 :func:`pack_weights` returns a copy of the model that shares every parameter and multiplies
 through the packed copies (the only new memory). Eager steps only (a compiled step lets
-Inductor lay weights out), and float32 on a CPU only (oneDNN's bf16 needs AVX-512).
+Inductor lay weights out), on a CPU, in float32, and in bfloat16 where oneDNN runs it (it needs
+AVX-512; the kernel's bf16 path needs AVX512-BF16, and is timed only where it has it).
 """
 
 from __future__ import annotations
@@ -185,8 +186,10 @@ def packing_unsupported(model: nn.Module) -> str | None:
     """Why ``model`` cannot have packed weights, or None if it can."""
     if not isinstance(model, GPT):  # a split model is not one
         return "only a single-process GPT packs its weights"
-    if model.device.type != "cpu" or model.dtype != torch.float32:
-        return "weights are packed for float32 on a CPU only"
+    if model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
+        return "weights are packed for float32 or bfloat16 on a CPU only"
+    if model.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "this CPU has no oneDNN bfloat16 products (they need AVX-512): bfloat16 weights are not packed"
     if not torch.backends.mkldnn.is_available():
         return "this PyTorch has no oneDNN"
     if is_quantized(model):
