@@ -94,6 +94,16 @@ def test_decode_summary_quotes_medians_and_the_target_ratios() -> None:
     assert any(line.strip() == "eager + packed weights vs llama.cpp (llama-bench): batch 1 0.80x" for line in lines)
 
 
+def test_the_decode_summary_gives_each_methods_step_time_against_batch_ones() -> None:
+    from minillm.bench.decode import summary
+
+    # batch 8 at 4x batch 1's tokens/s: its step takes 8 / 4 = 2x as long; batch 4 at 4x: free
+    rates = {"ours, eager + packed weights": {1: [100.0], 4: [400.0], 8: [400.0]}, "ours, plain eager": {4: [9.0]}}
+    lines = summary({"rates": rates, "roof": {1: 1e3, 4: 1e3, 8: 1e3}})
+    assert "step(B)/step(1), ours, eager + packed weights: batch 4 1.00, batch 8 2.00" in [line.strip() for line in lines]
+    assert not any("plain eager" in line and "step(B)" in line for line in lines)  # no batch 1 to compare with
+
+
 def test_bf16_is_skipped_aloud_where_the_cpu_only_emulates_it(monkeypatch, capsys) -> None:
     import torch
 

@@ -174,11 +174,21 @@ def summary(report: dict) -> list[str]:
         for other in [m for m in median if m.startswith(("llama.cpp", "transformers"))]:
             ratios = ", ".join(f"batch {b} {median[ours][b] / r:.2f}x" for b, r in median[other].items())
             lines.append(f"  {ours.removeprefix('ours, ')} vs {other}: {ratios}")
+    for method, by_batch in median.items():  # the thesis's own measure: how much longer a bigger batch's step takes
+        if 1 in by_batch and len(by_batch) > 1:
+            steps = ", ".join(f"batch {b} {step_ratio(by_batch, b):.2f}" for b in by_batch if b != 1)
+            lines.append(f"  step(B)/step(1), {method}: {steps}")
     default, library = "ours, eager + packed weights", next(iter(LIBRARY_ROADS))
     if default in median and library in median:
         ratios = ", ".join(f"batch {b} {median[default][b] / r:.2f}x" for b, r in median[library].items())
         lines.append(f"  packed weights with the small-batch kernel vs {library.removeprefix('ours, ')}: {ratios}")
     return lines
+
+
+def step_ratio(rates: dict[int, float], batch: int) -> float:
+    """How many times batch 1's step a step of ``batch`` sequences takes, from decode tokens/s
+    (a step makes one token per sequence): 1.0 is a batch for free, ``batch`` no gain at all."""
+    return batch * rates[1] / rates[batch]
 
 
 def save(report: dict, out: Path) -> Path:
@@ -187,18 +197,29 @@ def save(report: dict, out: Path) -> Path:
 
 
 def plot(report: dict, path: Path) -> None:
+    """Per dtype, two panels: tokens/s against the roof, and each step's time as a multiple of
+    batch 1's (the roof's is 1.0 up to the ridge: a batch for free)."""
     plt = pyplot()
     runs = report["runs"]
-    fig, axes = plt.subplots(1, max(len(runs), 1), figsize=(6.5 * max(len(runs), 1), 4), squeeze=False)
-    for ax, (dtype, run_) in zip(axes[0], runs.items()):
+    cols = max(len(runs), 1)
+    fig, axes = plt.subplots(2, cols, figsize=(6.5 * cols, 7.5), squeeze=False)
+    for col, (dtype, run_) in enumerate(runs.items()):
+        rate_ax, step_ax = axes[0][col], axes[1][col]
         batches = sorted(int(b) for b in run_["roof"])
-        ax.plot(batches, [run_["roof"][b] for b in batches], "k--", label="roof (bandwidth, then FLOPs)")
+        rate_ax.plot(batches, [run_["roof"][b] for b in batches], "k--", label="roof (bandwidth, then FLOPs)")
+        if 1 in run_["roof"]:
+            step_ax.plot(batches, [step_ratio(run_["roof"], b) for b in batches], "k--", label="roof")
         for method, by_batch in run_["rates"].items():
-            xs = sorted(int(b) for b in by_batch)
-            ax.plot(xs, [statistics.median(by_batch[b]) for b in xs], "o-", label=method)
-        ax.set(xscale="log", yscale="log", xlabel="batch (sequences decoding together)", ylabel="decode tokens/s",
-               title=f"{report['preset']}, {dtype}")
-        ax.set_xticks(batches, [str(b) for b in batches])
-        ax.legend(fontsize=7)
+            medians = {int(b): statistics.median(v) for b, v in by_batch.items()}
+            xs = sorted(medians)
+            rate_ax.plot(xs, [medians[b] for b in xs], "o-", label=method)
+            if 1 in medians:
+                step_ax.plot(xs, [step_ratio(medians, b) for b in xs], "o-", label=method)
+        rate_ax.set(xscale="log", yscale="log", ylabel="decode tokens/s", title=f"{report['preset']}, {dtype}")
+        step_ax.set(xscale="log", yscale="log", xlabel="batch (sequences decoding together)",
+                    ylabel="step time / batch 1's")
+        for ax in (rate_ax, step_ax):
+            ax.set_xticks(batches, [str(b) for b in batches])
+            ax.legend(fontsize=7)
     fig.suptitle(f"{report['device']}, {report['threads']} threads", fontsize=9)
     save_figure(fig, path)
