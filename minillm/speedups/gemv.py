@@ -46,8 +46,11 @@ def build() -> None:
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
     text = SOURCE.read_bytes()
     tag = hashlib.sha256(text + f"{torch.__version__} {sys.version} {platform.machine()}".encode()).hexdigest()[:12]
-    cpp_extension.load(name="minillm_gemv", sources=[str(SOURCE)], extra_cflags=["-O3", "-std=c++17"],
-                       build_directory=str(cache_dir("extensions", f"gemv-{tag}")), is_python_module=False)
+    # -fopenmp: at::parallel_for splits the rows over the threads only where it is compiled with
+    # OpenMP; without it the kernel runs on one thread, silently
+    cpp_extension.load(name="minillm_gemv", sources=[str(SOURCE)], extra_cflags=["-O3", "-std=c++17", "-fopenmp"],
+                       extra_ldflags=["-fopenmp"], build_directory=str(cache_dir("extensions", f"gemv-{tag}")),
+                       is_python_module=False)
     torch.library.register_fake("minillm::small_linear")(_fake)
 
 
