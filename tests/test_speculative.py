@@ -143,6 +143,14 @@ def test_sampled_sequences_have_the_targets_joint_distribution() -> None:
     assert 0.1 * drafted < accepted < 0.9 * drafted  # both acceptance and rejection took part
 
 
+def test_a_sampled_draft_without_a_seed_is_refused_with_a_clear_error(draft) -> None:
+    drafter, sampled = ModelDrafter(draft), SamplingParams(temperature=0.8)
+    with pytest.raises(ValueError, match="seed="):
+        drafter.propose(PROMPT, 3, sampled)
+    assert len(drafter.propose(PROMPT, 3, sampled, seed=7).tokens) == 3  # with one, it drafts
+    assert len(drafter.propose(PROMPT, 3, SamplingParams(temperature=0)).tokens) == 3  # greedy needs none
+
+
 def test_distribution_applies_top_k_and_top_p_like_the_sampler() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
     top2 = distribution(logits, SamplingParams(temperature=1.0, top_k=2))[0]

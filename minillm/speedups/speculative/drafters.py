@@ -34,6 +34,9 @@ class ModelDrafter:
     def propose(
         self, tokens: list[int], k: int, params: SamplingParams, seed: int | None = None
     ) -> Draft:
+        if seed is None and not params.greedy:
+            raise ValueError("a sampled draft draws by the request's seed: pass seed= (minillm.decoding.sampling."
+                             "request_seed(params) gives one), so that the draft and the acceptance use one stream")
         k = min(k, self.context - len(tokens) + 1)  # the last draft token is never fed
         if k <= 0 or not tokens:
             return Draft()
