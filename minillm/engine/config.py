@@ -59,8 +59,9 @@ class EngineConfig:
     enforce_eager: bool | None = None
     # A copy of the model prepacked for oneDNN (minillm.speedups.packed, by build_engine): True
     # insists, None packs where supported (a CPU's float32, or bfloat16 with AVX-512) unless
-    # enforce_eager or memory_budget is given. oneDNN keeps a primitive per batch shape it has run (about 2.6 MB each on the tiny
-    # preset), so a packed model grows past any warm-up: it is refused with memory_budget.
+    # enforce_eager or memory_budget is given. oneDNN keeps a primitive per batch shape it has
+    # run (about 2.6 MB each on the tiny preset), so a packed model grows past any warm-up: it
+    # is refused with memory_budget.
     pack_weights: bool | None = None
     # Overlap scheduling (vLLM's async scheduling): schedule and prepare step N+1, and append
     # and detokenize step N's tokens, while N+1 computes. None overlaps on a GPU, whose work runs
