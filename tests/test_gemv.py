@@ -113,7 +113,10 @@ def test_the_engine_gives_the_plain_paths_greedy_tokens_through_the_kernel(kerne
     model = tiny_model()
     fast = LLM(model, num_blocks=32, block_size=4)
     assert fast.engine.model is not model  # packed
-    assert tokens(fast) == tokens(LLM(model, num_blocks=32, block_size=4, enforce_eager=True))
+    plain = tokens(LLM(model, num_blocks=32, block_size=4, enforce_eager=True))
+    assert tokens(fast) == plain
+    alone = fast.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].token_ids  # one row decoding
+    assert alone == plain[0]
     assert set(calls) >= {1, len(PROMPTS)}  # one row and the whole batch decoding
 
 

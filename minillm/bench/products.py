@@ -22,14 +22,13 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from minillm.bench import add_options, parse_batches, pyplot, save_figure, save_report
 from minillm.cli import UsageError
 from minillm.machine.hardware import device_name, measure_bandwidth
 from minillm.model.config import ModelConfig, get_preset
 from minillm.speedups import gemv
-from minillm.speedups.packed import slabs_for
+from minillm.speedups.packed import multiply, roads_for, slabs_for
 
 ROWS = (1, 2, 4, 8, 16, 32)
 MAX_COPIES = 256
@@ -47,26 +46,24 @@ def model_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return sum(math.prod(shape) * count for shape, count in shapes(cfg).values()) * dtype.itemsize
 
 
+# The names this benchmark prints for packing's roads (minillm.speedups.packed.multiply)
+LABELS = {"plain": "F.linear", "packed": "oneDNN packed", "slabs": "slabs", "gemv": "small-batch kernel"}
+
+
 def roads(weights: list[torch.Tensor], rows: int) -> dict[str, Callable[[], object]]:
-    """Each road as one call that multiplies ``rows`` rows by every copy in ``weights``."""
-    out_features, in_features = weights[0].shape
-    x = torch.randn(rows, in_features, dtype=weights[0].dtype)
-    found: dict[str, Callable[[], object]] = {"F.linear": lambda: [F.linear(x, w) for w in weights]}
+    """Each road packing can take, as one call that multiplies ``rows`` rows by every copy in
+    ``weights`` (oneDNN's only where it has a kernel for their dtype)."""
+    x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype)
+    slabs = slabs_for(weights[0].shape[0], torch.get_num_threads())
     try:
         packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
-        torch.ops.mkldnn._linear_pointwise(x, packed[0], None, "none", [], "")
-        found["oneDNN packed"] = lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-                                          for p in packed]
+        multiply("packed", x, weights[0], packed[0], slabs)
     except RuntimeError:  # no oneDNN kernel for this dtype here
-        pass
-    slabs = slabs_for(out_features, torch.get_num_threads())
-    if rows == 1 and slabs > 1:
-        column = x.t().expand(slabs, in_features, 1)
-        stacked = [w.view(slabs, out_features // slabs, in_features) for w in weights]
-        found["slabs"] = lambda: [torch.bmm(s, column) for s in stacked]
-    if gemv.supports(weights[0]):
-        found["small-batch kernel"] = lambda: [gemv.small_linear(x, w) for w in weights]
-    return found
+        packed = None
+    names = [name for name in roads_for(weights[0], slabs, rows) if packed is not None or name != "packed"]
+    return {LABELS[name]: (lambda name=name: [multiply(name, x, w, p, slabs) for w, p in
+                                              zip(weights, packed or [None] * len(weights))])
+            for name in names}
 
 
 @torch.inference_mode()

@@ -76,25 +76,33 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     (:func:`road`), oneDNN's kernel on the packed copy past :data:`FEW_ROWS`. A weight with no
     packed copy (it was cast or moved after packing) takes the plain product: same result."""
     entry = _PACKED.get(_key(weight))
+    if entry is None:
+        return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
-    road = "plain" if entry is None else entry.one_row if n == 1 else entry.few_rows if n <= FEW_ROWS else "packed"
+    chosen = entry.one_row if n == 1 else entry.few_rows if n <= FEW_ROWS else "packed"
+    return multiply(chosen, rows, weight, entry.packed, entry.slabs, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+def multiply(road: str, rows: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, slabs: int,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``rows`` ``[n, in]`` times ``weight`` (plus ``bias``) by one road: ``"plain"``
+    (``F.linear``), ``"gemv"`` (the small-batch kernel), ``"slabs"`` (one row: ``slabs``
+    slabs of the weight's rows in one ``bmm``) or ``"packed"`` (oneDNN on ``packed``)."""
     if road == "plain":
-        return F.linear(x, weight, bias)
+        return F.linear(rows, weight, bias)
     if road == "gemv":
-        return gemv.small_linear(x, weight, bias)
-    (out_features, in_features), slabs = weight.shape, entry.slabs
+        return gemv.small_linear(rows, weight, bias)
     if road == "slabs":
+        (out_features, in_features) = weight.shape
         stacked = weight.view(slabs, out_features // slabs, in_features)
         column = rows.t().expand(slabs, in_features, 1)
         if bias is None:
             out = torch.bmm(stacked, column)
         else:
             out = torch.baddbmm(bias.view(slabs, -1, 1), stacked, column)
-        out = out.view(1, out_features)  # [slabs, out / slabs, 1] is the row's outputs in order
-    else:
-        out = torch.ops.mkldnn._linear_pointwise(rows, entry.packed, bias, "none", [], "")
-    return out.view(*x.shape[:-1], out_features)
+        return out.view(1, out_features)  # [slabs, out / slabs, 1] is the row's outputs in order
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
 
 def _pack(owner: nn.Module, weight: torch.Tensor) -> None:
@@ -131,15 +139,9 @@ def time_roads(weight: torch.Tensor, packed: torch.Tensor, slabs: int, rows: int
     """Median seconds of ``rows`` rows multiplied by ``weight`` on each road, over ``rounds``
     interleaved rounds after one untimed call each: oneDNN's, plain ``F.linear``, the small-batch
     kernel where it builds, and the slabs for one row where ``slabs`` > 1."""
-    out_features, in_features = weight.shape
-    x = torch.randn(rows, in_features, dtype=weight.dtype)
-    roads = {"packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-             "plain": lambda: F.linear(x, weight)}
-    if gemv.supports(weight):
-        roads["gemv"] = lambda: gemv.small_linear(x, weight)
-    if slabs > 1 and rows == 1:
-        stacked, column = weight.view(slabs, out_features // slabs, in_features), x.t().expand(slabs, in_features, 1)
-        roads["slabs"] = lambda: torch.bmm(stacked, column)
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+    roads = {name: (lambda name=name: multiply(name, x, weight, packed, slabs))
+             for name in roads_for(weight, slabs, rows)}
     seconds: dict[str, list[float]] = {name: [] for name in roads}
     for run in roads.values():
         run()
@@ -149,6 +151,14 @@ def time_roads(weight: torch.Tensor, packed: torch.Tensor, slabs: int, rows: int
             run()
             seconds[name].append(time.perf_counter() - start)
     return {name: statistics.median(times) for name, times in seconds.items()}
+
+
+def roads_for(weight: torch.Tensor, slabs: int, rows: int) -> list[str]:
+    """The roads :func:`multiply` can take for ``rows`` rows by ``weight`` here: ``F.linear`` and
+    oneDNN's always, the slabs for one row where ``slabs`` > 1, the small-batch kernel where it
+    builds for this weight."""
+    return ["plain", "packed", *(["slabs"] if slabs > 1 and rows == 1 else []),
+            *(["gemv"] if gemv.supports(weight) else [])]
 
 
 def _release(key: tuple[int, tuple[int, ...]]) -> None:
