@@ -40,7 +40,9 @@ def build(config: ServerConfig) -> LLMEngine:
         model = config.checkpoint or load_or_train("cpu", device)
         return build_engine(model, config.engine_config(), device=device, dtype=config.dtype,
                             quantize=config.quantize, speculative_draft=config.speculative_draft,
-                            num_speculative_tokens=config.num_speculative_tokens, tokenizer=get_tokenizer())
+                            num_speculative_tokens=config.num_speculative_tokens,
+                            speculative_disable_by_batch_size=config.speculative_disable_by_batch_size,
+                            tokenizer=get_tokenizer())
     except EngineOptionError as err:
         raise flag_error(err) from None
     except ValueError as err:

@@ -52,6 +52,7 @@ class ServerConfig:
     attention: str | None = None
     speculative_draft: str | None = None
     num_speculative_tokens: int = 4
+    speculative_disable_by_batch_size: int | None = None
     quantize: str | None = None
     enforce_eager: bool | None = None
     async_scheduling: bool | None = None
@@ -65,7 +66,8 @@ class ServerConfig:
             raise ValueError("api_key must not be empty (leave it unset to serve without a key)")
         # the engine's own checks, now rather than after loading the model
         check_options(self.engine_config(), dtype=self.dtype, quantize=self.quantize,
-                      speculative_draft=self.speculative_draft, num_speculative_tokens=self.num_speculative_tokens)
+                      speculative_draft=self.speculative_draft, num_speculative_tokens=self.num_speculative_tokens,
+                      speculative_disable_by_batch_size=self.speculative_disable_by_batch_size)
 
     def engine_config(self) -> EngineConfig:
         """The engine's share of the settings: each ``EngineConfig`` field the server has a flag for."""
@@ -109,9 +111,13 @@ FLAGS: list[tuple[str, Callable[[str], object], str]] = [
                                "Triton's interpreter, exact but very slow); default: triton on a CUDA GPU "
                                "where Triton is installed, torch elsewhere"),
     ("--speculative-draft", str, "speculative decoding (chapter 15): a draft model's checkpoint, or `ngram` for "
-                                 "prompt lookup; it runs on steps that decode a single request, while batched "
-                                 "steps decode one token per request as usual"),
-    ("--num-speculative-tokens", int, "draft tokens per speculative step (with --speculative-draft)"),
+                                 "prompt lookup; every decoding request of a step drafts, up to the batch size "
+                                 "where speculation stops paying"),
+    ("--num-speculative-tokens", int, "most draft tokens per request and step (with --speculative-draft); each "
+                                      "request's own number follows how many of its drafts are accepted"),
+    ("--speculative-disable-by-batch-size", int, "speculate only in steps of at most N requests (with "
+                                                 "--speculative-draft; default: the largest batch where the engine "
+                                                 "measures that speculation still pays)"),
     ("--enforce-eager", bool, "run every step eagerly (the reference path); --no-enforce-eager runs decode-only "
                               "steps as captured programs: CUDA graphs, or on a CPU torch.compile (about half a "
                               "minute per batch bucket the first time, cached in .cache/inductor). Default: CUDA "

@@ -22,7 +22,6 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -34,6 +33,7 @@ from minillm.speedups.speculative.drafters import ModelDrafter, NgramDrafter
 from minillm.decoding.generate import ContiguousKVCache, generate_kv_cache
 from minillm.machine.hardware import Timing, device_name
 from minillm.model.gpt import GPT
+from minillm.speedups.speculative.crossover import cached_step, expected_tokens_per_pass
 from minillm.speedups.speculative.rule import SpeculativeStats, generate_speculative
 from minillm.data.tokenizer import get_tokenizer
 from minillm.settings import quick
@@ -75,13 +75,6 @@ def out_of_domain_prompts(n: int, length: int) -> list[list[int]]:
     return [[tok.eot, *tok.encode(text)[:length]] for text in OUT_OF_DOMAIN[:n]]
 
 
-def expected_tokens_per_pass(alpha: float, k: int) -> float:
-    """Leviathan et al.'s expected tokens per target pass, ``1 + alpha + ... + alpha^k``, when a
-    round drafts ``k`` tokens and each is accepted with probability ``alpha`` given that the
-    earlier ones were (``alpha`` per position, not accepted over drafted)."""
-    return k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
 def expected_speedup(alpha: float, k: int, c: float) -> float:
     """Leviathan et al.'s expected speedup: :func:`expected_tokens_per_pass` over the round's
     cost in target steps, ``k * c + 1``, when verification costs one target step."""
@@ -100,31 +93,13 @@ def predicted_speedup(row: dict, costs: dict, drafter_step_s: float) -> float:
     return row["tokens_per_pass"] * costs["target_step_s"] / pass_cost
 
 
-def _cached_step(model: GPT, batch: int, n: int, context: int,
-                 cache: ContiguousKVCache | None = None) -> Callable[[], None]:
-    """A forward over ``n`` new tokens of ``batch`` sequences after ``context`` cached positions
-    (in ``cache``, else a fresh one prefilled with random tokens), rolled back after every run."""
-    device, vocab = model.device, model.cfg.vocab_size
-    if cache is None:
-        cache = ContiguousKVCache(model, batch, context + n)
-        model(torch.randint(vocab, (batch, context), device=device), cache=cache)
-    tokens = torch.randint(vocab, (batch, n), device=device)
-    positions = torch.arange(context, context + n, device=device).expand(batch, n)
-
-    def step() -> None:
-        model(tokens, positions, cache)
-        cache.length = context
-
-    return step
-
-
 @torch.no_grad()
 def step_costs(target: GPT, draft: GPT, ks: list[int], context: int = 64, repeats: int = 20) -> dict:
     """Median seconds of one target step over 1 and over ``k + 1`` tokens, and of one draft
     step, each after ``context`` cached positions (rolled back after every run). Every variant
     runs once per round, so a busy neighbour slows them alike."""
-    variants = {"target": _cached_step(target, 1, 1, context), "draft": _cached_step(draft, 1, 1, context),
-                **{k: _cached_step(target, 1, k + 1, context) for k in ks}}
+    variants = {"target": cached_step(target, 1, 1, context), "draft": cached_step(draft, 1, 1, context),
+                **{k: cached_step(target, 1, k + 1, context) for k in ks}}
     t = {name: Timing.of(s) for name, s in interleaved_times(variants, target.device, repeats).items()}
     return {"context": context, "target_step_s": t["target"].median, "draft_step_s": t["draft"].median,
             "verify_s": {k: t[k].median for k in ks}, "quartiles_s": {name: list(t[name].quartiles) for name in t}}
@@ -140,8 +115,8 @@ def batched_verify_cost(target: GPT, batch_sizes: list[int], k: int, context: in
     for b in batch_sizes:
         cache = ContiguousKVCache(target, b, context + k + 1)
         target(torch.randint(target.cfg.vocab_size, (b, context), device=target.device), cache=cache)
-        steps = {"one": _cached_step(target, b, 1, context, cache),
-                 "verify": _cached_step(target, b, k + 1, context, cache)}
+        steps = {"one": cached_step(target, b, 1, context, cache),
+                 "verify": cached_step(target, b, k + 1, context, cache)}
         t = {name: Timing.of(s) for name, s in interleaved_times(steps, target.device, repeats).items()}
         one, verify = t["one"].median, t["verify"].median
         rows.append({"batch": b, "step_s": one, "verify_s": verify, "ratio": verify / one,
@@ -194,14 +169,89 @@ def measure(
     return {"results": results}
 
 
+BATCHES = [1, 2, 4, 8, 16, 32, 64]
+
+
+def batch_sweep(target: GPT, draft: GPT, batches: list[int], *, k: int = 4, prompt_len: int = 32,
+                max_new: int = 48, rounds: int = 3, progress: bool = True) -> dict:
+    """Speculation for the whole batch, through the engine: at each batch size, greedy
+    tokens/s of plain decoding, of speculation at every batch size (the curve) and of
+    speculation with the engine's automatic batch limit, over held-out story openings.
+
+    The three engines run one after another in every round, so a busy neighbour slows them
+    alike; each time includes the prompts' prefill, which is the same for all three. Beside
+    the measured speedup, the crossover's prediction: tokens per verification pass (measured
+    here) over the cost of a speculative round in plain steps (``r(B)``, timed by the
+    automatic engine at start-up)."""
+    from minillm.decoding.sampling import SamplingParams
+    from minillm.engine.llm import LLM
+
+    most = max(batches)
+    prompts = story_prompts(most, prompt_len)
+    params = SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True)
+    engines = {"plain": LLM(target, max_num_seqs=most),
+               "speculative": LLM(target, max_num_seqs=most, speculative_draft=draft, num_speculative_tokens=k,
+                                  speculative_disable_by_batch_size=most),
+               "automatic": LLM(target, max_num_seqs=most, speculative_draft=draft, num_speculative_tokens=k)}
+    crossover = engines["automatic"].engine.speculator.crossover
+    rows = []
+    for b in batches:
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        outputs, stats = {}, {}
+        for round_ in range(rounds + 1):  # round 0 warms up, untimed
+            for name, llm in engines.items():
+                spec = getattr(llm.engine, "speculator", None)
+                if spec is not None:
+                    spec.stats = SpeculativeStats()
+                start = time.perf_counter()
+                outs = llm.generate(prompts[:b], params, use_tqdm=False)
+                if round_:
+                    times[name].append(time.perf_counter() - start)
+                outputs[name] = [o.token_ids for o in outs]
+                if spec is not None:
+                    stats[name] = spec.stats
+        tok_s = {name: [b * max_new / t for t in ts] for name, ts in times.items()}
+        s = stats["speculative"]
+        ratio = crossover.ratio(b) if crossover is not None else None
+        row = {"batch": b,
+               **{f"{name}_tok_s": statistics.median(v) for name, v in tok_s.items()},
+               **{f"{name}_tok_s_range": [min(v), max(v)] for name, v in tok_s.items()},
+               "speedup": statistics.median(times["plain"]) / statistics.median(times["speculative"]),
+               "automatic_speedup": statistics.median(times["plain"]) / statistics.median(times["automatic"]),
+               "tokens_per_pass": s.tokens_per_pass, "drafted_per_pass": s.drafted / max(s.target_passes, 1),
+               "per_position_acceptance": s.per_position_acceptance,
+               "acceptance_by_position": s.acceptance_by_position,
+               "automatic_speculated": stats["automatic"].drafted > 0,
+               "round_cost_in_steps": ratio,
+               "predicted_speedup": s.tokens_per_pass / ratio if ratio else None,
+               "identical": outputs["speculative"] == outputs["plain"] == outputs["automatic"]}
+        rows.append(row)
+        if progress:
+            print(f"  batch {b:>3}  plain {row['plain_tok_s']:7.1f} tok/s  speculative {row['speculative_tok_s']:7.1f} "
+                  f"({row['speedup']:.2f}x, predicted {row['predicted_speedup'] or float('nan'):.2f}x)  automatic "
+                  f"{row['automatic_tok_s']:7.1f} ({row['automatic_speedup']:.2f}x)  "
+                  f"{row['tokens_per_pass']:.2f} tok/pass  identical {row['identical']}", flush=True)
+    for llm in engines.values():
+        llm.close()
+    losing = [r["batch"] for r in rows if r["speedup"] < 1]
+    predicted_losing = [r["batch"] for r in rows if r["predicted_speedup"] is not None and r["predicted_speedup"] < 1]
+    return {"k": k, "max_new_tokens": max_new, "prompt_len": prompt_len, "rounds": rounds, "rows": rows,
+            "crossover_measured": min(losing) if losing else None,
+            "crossover_predicted": min(predicted_losing) if predicted_losing else None,
+            "automatic_timings": {f"{2 ** (b - 1)}+": {"plain_s_per_token": t.plain, "speculative_s_per_token": t.speculative}
+                                  for b, t in sorted(engines["automatic"].engine.speculator.measured.buckets.items())},
+            "costs": [vars(c) | {"ratio": c.ratio} for c in crossover.costs] if crossover is not None else []}
+
+
 def _speculate(target: GPT, drafter, prompt: list[int], max_new: int, k: int) -> tuple[list[int], SpeculativeStats]:
     out = generate_speculative(target, drafter, prompt, max_new, num_speculative_tokens=k)
     return out.tokens, out.stats
 
 
 def run(target: GPT, draft: GPT, *, num_prompts: int, prompt_len: int, max_new: int, rounds: int,
-        ks: list[int] = KS, progress: bool = True) -> dict:
-    """The whole benchmark: step costs, then :func:`measure` on stories and out-of-domain text."""
+        ks: list[int] = KS, batches: list[int] = BATCHES, progress: bool = True) -> dict:
+    """The whole benchmark: step costs, then :func:`measure` on stories and out-of-domain text,
+    then :func:`batch_sweep` over ``batches`` (none if empty)."""
     workloads = {"stories": story_prompts(num_prompts, prompt_len),
                  "out-of-domain": out_of_domain_prompts(num_prompts, prompt_len)}
     device = target.device
@@ -219,6 +269,11 @@ def run(target: GPT, draft: GPT, *, num_prompts: int, prompt_len: int, max_new: 
         r["expected_tokens_per_pass"] = expected_tokens_per_pass(alpha, r["k"])
         r["expected_speedup"] = expected_speedup(alpha, r["k"], c if model_drafter else 0.0)
         r["predicted_speedup"] = predicted_speedup(r, report["costs"], report["costs"]["draft_step_s"] if model_drafter else 0.0)
+    if batches:
+        if progress:
+            print("Batched speculation (greedy stories, draft model):", flush=True)
+        report["batched"] = batch_sweep(target, draft, batches, prompt_len=prompt_len, max_new=max_new,
+                                        rounds=rounds, progress=progress)
     return report
 
 
@@ -229,7 +284,9 @@ def plot(report: dict, path) -> None:
 
 def figure(report: dict, plt):
     """The benchmark's figure (also shown inline by chapter 15)."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    batched = report.get("batched")
+    fig, axes = plt.subplots(1, 3 if batched else 2, figsize=(16 if batched else 11, 3.8))
+    left, right = axes[:2]
     styles = {"stories": "-", "out-of-domain": "--"}
     colors = {"draft model": "C0", "n-gram lookup": "C1"}
     for text in styles:
@@ -243,9 +300,28 @@ def figure(report: dict, plt):
     left.set(xlabel="draft tokens per step k", ylabel="speedup vs target alone", title="speedup (greedy, batch 1)")
     right.set(xlabel="draft tokens per step k", ylabel="alpha", title="per-position acceptance alpha", ylim=(0, 1.05))
     right.legend(fontsize=8)
+    if batched:
+        batch_panel(axes[2], batched)
     fig.suptitle(report["device"], fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def batch_panel(ax, batched: dict) -> None:
+    """Speedup against batch size: speculating at every size, with the automatic limit, and
+    the crossover's prediction, on a log batch axis."""
+    rows = batched["rows"]
+    sizes = [r["batch"] for r in rows]
+    ax.plot(sizes, [r["speedup"] for r in rows], "o-", color="C0", label="speculating at every batch")
+    ax.plot(sizes, [r["automatic_speedup"] for r in rows], "s--", color="C2", label="automatic limit")
+    predicted = [(r["batch"], r["predicted_speedup"]) for r in rows if r["predicted_speedup"] is not None]
+    if predicted:
+        ax.plot(*zip(*predicted), ":", color="gray", marker="x", label="predicted (tok/pass / r(B))")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="batch size (sequences)", ylabel="speedup vs plain decoding",
+           title=f"speculation for the whole batch (k={batched['k']})")
+    ax.legend(fontsize=8)
 
 
 def add_arguments(p) -> None:
@@ -255,6 +331,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=5, help="timed rounds; speedups are ratios of medians")
     p.add_argument("--max-k", type=int, default=8, help="measure k = 1 .. MAX_K draft tokens")
+    p.add_argument("--batches", default=",".join(map(str, BATCHES)),
+                   help="batch sizes for speculation through the engine, comma-separated ('' for none)")
     p.add_argument("--threads", type=int, default=None, help="PyTorch CPU threads (default: PyTorch's choice)")
     add_options(p, "--device", "--out")
 
@@ -269,11 +347,18 @@ def run_from_args(args, out: Path) -> Path:
         torch.set_num_threads(args.threads)
     if args.num_prompts > len(OUT_OF_DOMAIN):
         raise UsageError(f"--num-prompts can be at most {len(OUT_OF_DOMAIN)} (the out-of-domain openings there are)")
+    try:
+        batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    except ValueError:
+        raise UsageError(f"--batches must be comma-separated integers, got {args.batches!r}") from None
+    if any(b < 1 for b in batches):
+        raise UsageError("--batches must all be at least 1")
     if quick():
         args.num_prompts, args.max_new_tokens, args.rounds, args.max_k = 2, 12, 1, 3
+        batches = [b for b in batches if b <= 4]
     target, draft = load_or_train("cpu", args.device), load_or_train("draft", args.device)
     if 1 + args.prompt_len + args.max_new_tokens > target.cfg.context_length:
         raise UsageError(f"--prompt-len + --max-new-tokens must fit the context of {target.cfg.context_length} tokens")
     report = run(target, draft, num_prompts=args.num_prompts, prompt_len=args.prompt_len,
-                 max_new=args.max_new_tokens, rounds=args.rounds, ks=list(range(1, args.max_k + 1)))
+                 max_new=args.max_new_tokens, rounds=args.rounds, ks=list(range(1, args.max_k + 1)), batches=batches)
     return save_report(report, out / "speculative-cpu.json", plot)

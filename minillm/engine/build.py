@@ -11,6 +11,8 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
+from typing import Callable
+
 import torch
 
 from minillm.model.checkpoint import load_model
@@ -38,23 +40,28 @@ def build_engine(
     quantize: str | None = None,
     speculative_draft: GPT | str | Path | None = None,
     num_speculative_tokens: int = 4,
+    speculative_disable_by_batch_size: int | None = None,
     tokenizer: Tokenizer | None = None,
 ) -> LLMEngine:
     """An engine over ``model`` (a ``GPT``, moved to ``device`` and cast in place, or a checkpoint
     path, loaded onto ``device``, the CPU by default). ``quantize="int8"`` or ``"int4"`` stores
     the matrices in that many bits, with bf16 activations unless ``dtype`` says otherwise.
-    ``speculative_draft`` (a draft ``GPT``, its checkpoint, or ``"ngram"``) speculates
-    ``num_speculative_tokens`` on lone decodes (chapter 15). Split models start worker
-    processes, which ``engine.close()`` stops."""
+    ``speculative_draft`` (a draft ``GPT``, its checkpoint, or ``"ngram"``) speculates up to
+    ``num_speculative_tokens`` per decoding sequence (chapter 15), in steps of at most
+    ``speculative_disable_by_batch_size`` sequences (None: up to the batch size where the
+    speculator measures that it stops paying). Split models start worker processes, which
+    ``engine.close()`` stops."""
     config = config or EngineConfig()
     check_options(config, dtype=dtype, quantize=quantize, speculative_draft=speculative_draft,
-                  num_speculative_tokens=num_speculative_tokens)
+                  num_speculative_tokens=num_speculative_tokens,
+                  speculative_disable_by_batch_size=speculative_disable_by_batch_size)
     model = load_weights(model, device)
     try:  # check_options has vetted the dtype and the scheme: what is left is the model's shape
         cast_and_quantize(model, resolve_dtype(dtype), quantize)
     except ValueError as err:
         raise EngineOptionError("quantize", str(err)) from None
-    speculator = build_speculator(speculative_draft, model, num_speculative_tokens)
+    speculator = build_speculator(speculative_draft, model, num_speculative_tokens, speculative_disable_by_batch_size,
+                                  prepare=lambda draft: packed_if_asked(draft, config))
     if config.tensor_parallel_size > 1:  # this process becomes rank 0; the other shards run in workers
         from minillm.distributed.tensor_workers import TensorParallelGPT  # spawns processes: only when asked
 
@@ -161,7 +168,8 @@ def triton_compiles() -> bool:
 
 
 def check_options(config: EngineConfig, *, dtype: str | torch.dtype | None = None, quantize: str | None = None,
-                  speculative_draft: object = None, num_speculative_tokens: int = 4) -> None:
+                  speculative_draft: object = None, num_speculative_tokens: int = 4,
+                  speculative_disable_by_batch_size: int | None = None) -> None:
     """Refuse, before any weights load, what :func:`build_engine`'s own options cannot do, alone
     or with ``config``: an :class:`EngineOptionError` naming the option. The server calls it
     on its flags, so that it and ``LLM`` accept exactly the same options. (A split slices the
@@ -189,6 +197,9 @@ def check_options(config: EngineConfig, *, dtype: str | torch.dtype | None = Non
     if num_speculative_tokens < 1:
         raise EngineOptionError("num_speculative_tokens",
                                 f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+    if speculative_disable_by_batch_size is not None and speculative_disable_by_batch_size < 1:
+        raise EngineOptionError("speculative_disable_by_batch_size", "speculative_disable_by_batch_size must be "
+                                f">= 1 (or unset: measured), got {speculative_disable_by_batch_size}")
 
 
 def check_device(device: str | torch.device) -> torch.device:
@@ -213,16 +224,18 @@ def load_weights(model: GPT | str | Path, device: str | torch.device | None) -> 
         raise EngineOptionError("checkpoint", str(err)) from None
 
 
-def build_speculator(draft: GPT | str | Path | None, target: GPT, num_speculative_tokens: int) -> Speculator | None:
+def build_speculator(draft: GPT | str | Path | None, target: GPT, num_speculative_tokens: int,
+                     disable_by_batch_size: int | None = None,
+                     prepare: Callable[[GPT], GPT] | None = None) -> Speculator | None:
     """``None`` for no speculation, ``"ngram"`` for prompt lookup, a ``GPT`` or a checkpoint
-    path for a draft model (loaded onto the target's device and dtype)."""
+    path for a draft model (loaded onto the target's device and dtype, then ``prepare``d)."""
     if draft is None:
         return None
     try:
         if draft == NGRAM:
-            return Speculator.with_ngram(num_speculative_tokens)
+            return Speculator.with_ngram(num_speculative_tokens, disable_by_batch_size=disable_by_batch_size)
         if not isinstance(draft, GPT):
             draft = load_model(draft, target.device)
-        return Speculator.with_draft_model(draft, target, num_speculative_tokens)
+        return Speculator.with_draft_model(draft, target, num_speculative_tokens, disable_by_batch_size, prepare)
     except (FileNotFoundError, ValueError) as err:
         raise EngineOptionError("speculative_draft", str(err)) from None

@@ -55,12 +55,14 @@ class LLM:
         tokenizer: Tokenizer | None = None,
         speculative_draft: GPT | str | Path | None = None,
         num_speculative_tokens: int = 4,
+        speculative_disable_by_batch_size: int | None = None,
         quantize: str | None = None,
         **engine_options: object,
     ) -> None:
         self.engine = build_engine(
             model, EngineConfig(**engine_options), device=device, dtype=dtype, quantize=quantize,  # type: ignore[arg-type]
-            speculative_draft=speculative_draft, num_speculative_tokens=num_speculative_tokens, tokenizer=tokenizer,
+            speculative_draft=speculative_draft, num_speculative_tokens=num_speculative_tokens,
+            speculative_disable_by_batch_size=speculative_disable_by_batch_size, tokenizer=tokenizer,
         )
         self._next_id = 0
 

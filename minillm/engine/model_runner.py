@@ -280,9 +280,7 @@ class ModelRunner:
             logits, greedy = self.graphs.run(step.staged, self._sampled)
             hidden = None
         else:
-            if step.hidden is None:
-                self._forward(step, self.model.hidden_states)
-            hidden = (step.hidden if isinstance(step.hidden, torch.Tensor) else step.hidden.wait())[0]
+            hidden = self.forward(step)
             greedy = None
             last = hidden if step.last_rows is None else hidden[step.last_rows]
             logits = self.model.logits(last).float() if step.sampling else None
@@ -297,6 +295,13 @@ class ModelRunner:
             tokens = sample(logits, [s.params for s in seqs], [s.seed for s in seqs], positions)
         self._sampled = tokens
         return ComputedStep(step, tokens, processed, hidden)
+
+    def forward(self, step: PreparedStep) -> torch.Tensor:
+        """An eager step's hidden states ``[tokens, d_model]``, one row per input token in
+        ``step.ordered``'s order: its forward run (unless :meth:`launch` started it) or waited for."""
+        if step.hidden is None:
+            self._forward(step, self.model.hidden_states)
+        return (step.hidden if isinstance(step.hidden, torch.Tensor) else step.hidden.wait())[0]
 
     @torch.inference_mode()
     def read(self, computed: ComputedStep) -> list[ChunkOutput]:
@@ -341,7 +346,7 @@ class ModelRunner:
         bs = self.pool.block_size
         for c in chunks:
             span = range(c.start, c.start + c.num_tokens)
-            known = c.seq.token_ids[c.start : c.start + c.num_tokens]
+            known = c.input_tokens()
             if len(known) < c.num_tokens:
                 raise RuntimeError(f"request {c.seq.request_id!r}: a chunk of {c.num_tokens} tokens from "
                                    f"{c.start} reaches a token not sampled yet")

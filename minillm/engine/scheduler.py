@@ -11,8 +11,9 @@ under ``max_num_seqs``, ``max_num_batched_tokens`` and the pool's free blocks, a
 2. Then, unless someone was preempted (admitting more would only thrash), waiting sequences
    in arrival order while the limits allow; prefix-cache hits cost no budget. The first that
    does not fit stops admission: nobody overtakes it, so nobody starves.
-3. With speculative decoding, a lone decode also gets lookahead slots for its draft
-   (:meth:`Scheduler.reserve_lookahead`), so the scheduler stays the only one handing out blocks.
+3. With speculative decoding, decodes also get lookahead slots for their drafts, as many as
+   the speculator's policy asks for each (:meth:`Scheduler.reserve_lookahead`), so the
+   scheduler stays the only one handing out blocks.
 4. An engine with several steps in flight (pipeline micro-batches, chapter 17) names the
    sequences still in one (``busy``): neither scheduled again nor preempted.
 
@@ -27,7 +28,7 @@ A request that could never run is refused at :meth:`Scheduler.add`.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Hashable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
 
 from minillm.decoding.sampling import FinishReason
@@ -52,6 +53,11 @@ class ScheduledChunk:
 
     def __post_init__(self) -> None:
         self.samples = self.start + self.num_tokens == self.seq.num_tokens
+
+    def input_tokens(self) -> list[int]:
+        """The tokens this chunk feeds: the sequence's, from ``start`` (a chunk that feeds
+        tokens past the sequence's end, a speculative draft, says which)."""
+        return self.seq.token_ids[self.start : self.start + self.num_tokens]
 
     @property
     def is_decode(self) -> bool:
@@ -108,6 +114,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.num_lookahead_slots = num_lookahead_slots
+        # the lookahead slots a decode asks for in a step of so many chunks (at most num_lookahead_slots)
+        self.lookahead: Callable[[Sequence, int], int] = lambda seq, batch: self.num_lookahead_slots
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -190,20 +198,20 @@ class Scheduler:
             seq.num_pending -= chunk.samples
 
     def reserve_lookahead(self, out: SchedulerOutput) -> None:
-        """Room for draft tokens when this step's whole batch is one decode (where speculation
-        pays, chapter 15), cut to what the request can still use, and from free blocks only:
-        no one is preempted for a draft."""
-        if len(out.chunks) != 1 or not out.chunks[0].is_decode:
-            return
-        chunk = out.chunks[0]
-        seq = chunk.seq
-        if seq.params.token_by_token:  # its logits are adjusted or reported at every position
-            return
-        room = min(self.num_lookahead_slots, seq.params.max_tokens - seq.num_output_tokens - 1,
-                   self.max_model_len - seq.num_tokens - 1)
-        if room > 0 and self.allocator.can_allocate(seq, seq.num_tokens + room):
-            self.allocator.grow(seq, seq.num_tokens + room)
-            chunk.num_lookahead = room
+        """Room for draft tokens after each decode, as many as ``lookahead`` asks for it in a
+        step of this size (a speculator turns drafting down as the batch grows, where it stops
+        paying), cut to what the request can still use, and from free blocks only: no one is
+        preempted for a draft."""
+        batch = len(out.chunks)
+        for chunk in out.chunks:
+            seq = chunk.seq
+            if not chunk.is_decode or seq.params.token_by_token:  # its logits are adjusted or reported at every position
+                continue
+            room = min(self.lookahead(seq, batch), self.num_lookahead_slots,
+                       seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+            if room > 0 and self.allocator.can_allocate(seq, seq.num_tokens + room):
+                self.allocator.grow(seq, seq.num_tokens + room)
+                chunk.num_lookahead = room
 
     def _budget_left(self, out: SchedulerOutput) -> int:
         return self.max_num_batched_tokens - out.num_batched_tokens

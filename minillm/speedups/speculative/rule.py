@@ -51,18 +51,38 @@ class SpeculativeStats:
     accepted: int = 0
     generated: int = 0
     rejections: int = 0
+    # by draft position i: rounds that drafted a token i, and rounds that accepted it
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
 
     def record(self, drafted: int, accepted: int, emitted: int) -> None:
+        """Count one sequence's verification: ``drafted`` tokens, the first ``accepted`` of
+        them kept, ``emitted`` tokens in all (the accepted and the target's own)."""
         self.target_passes += 1
         self.drafted += drafted
         self.accepted += accepted
         self.generated += emitted
         self.rejections += accepted < drafted  # the round stopped at a rejected token
+        for counts, n in ((self.drafted_at, drafted), (self.accepted_at, accepted)):
+            counts += [0] * (n - len(counts))
+            for i in range(n):
+                counts[i] += 1
 
     def merge(self, other: SpeculativeStats) -> None:
         """Add another run's counters to these."""
         for name in ("target_passes", "drafted", "accepted", "generated", "rejections"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at)):
+            mine += [0] * (len(theirs) - len(mine))
+            for i, n in enumerate(theirs):
+                mine[i] += n
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """For each draft position, the share of the rounds that drafted a token there which
+        accepted it (every earlier one was accepted too): how far into a draft the target agrees."""
+        accepted = self.accepted_at + [0] * (len(self.drafted_at) - len(self.accepted_at))
+        return [a / d for a, d in zip(accepted, self.drafted_at)]
 
     @property
     def acceptance_rate(self) -> float:
@@ -106,9 +126,7 @@ def accept(
     if target_logits.shape[0] != k + 1:
         raise ValueError(f"need {k + 1} rows of target logits for {k} draft tokens, got {target_logits.shape[0]}")
     if params.greedy:
-        best = target_logits.argmax(dim=-1).tolist()
-        n = next((i for i, token in enumerate(draft.tokens) if token != best[i]), k)
-        return n, best[n]
+        return accept_greedy(target_logits.argmax(dim=-1).tolist(), draft.tokens)
     if seed is None:
         raise ValueError("a sampled acceptance test needs the request's seed")
     p = distribution(target_logits, params)
@@ -125,6 +143,13 @@ def accept(
             residual = p[i]
         return i, draw(residual, uniform(seed, position + i, Stream.RESIDUAL))
     return k, draw(p[k], uniform(seed, position + k, Stream.RESIDUAL))
+
+
+def accept_greedy(best: list[int], drafted: list[int]) -> tuple[int, int]:
+    """The greedy rule, given the target's choice ``best`` after the context and each drafted
+    token (``len(drafted) + 1`` of them): accept while the draft agrees, then take the target's."""
+    n = next((i for i, token in enumerate(drafted) if token != best[i]), len(drafted))
+    return n, best[n]
 
 
 def rollback(cache: ContiguousKVCache, length: int) -> None:

@@ -1,128 +1,250 @@
-"""Speculative decoding in the engine, for the steps that decode a single request.
+"""Speculative decoding in the engine, for every decoding sequence of a step at once.
 
-Speculation applies only when a step's whole batch is one decode (the server's batch-1 case,
-``LLM.generate`` of one prompt): batching already spends the slack of a memory-bound decode
-step that drafts would spend, so the two compete for the same resource (chapter 15).
+Each decode of a step gets up to ``k`` lookahead slots (fewer for a sequence whose drafts keep
+being rejected, none once the batch is past the size where speculation stops paying); the
+drafter proposes for all of them together; one forward of the target verifies every sequence's
+last token and drafts, beside whatever else the step runs (prefills of new arrivals, decodes
+that do not speculate); the acceptance rule runs per sequence, with its own draws.
+
+Speculation competes with batching for one resource, the slack of a memory-bound step (chapter
+1): checking ``k`` drafts per sequence costs about one token's time only while the batch times
+``k + 1`` stays under the ridge. Past it the extra rows are paid in full and speculation loses,
+so the speculator turns itself down as the batch grows (:meth:`Speculator.lookahead`).
 
 It plugs in beside the engine's core, as vLLM keeps speculation a proposer beside its workers:
-the scheduler reserves the draft's slots in the sequence's blocks
-(:meth:`~minillm.engine.scheduler.Scheduler.reserve_lookahead`), and the
-:class:`SpeculativeRunner` drafts into them, verifies in one forward and applies the
-acceptance rule. The engine's step is unchanged: the scheduler advances the computed tokens
-past the accepted ones only, so the rejected tokens' slots are written over later (the paged
-rollback).
+the scheduler reserves the drafts' slots in the sequences' blocks
+(:meth:`~minillm.engine.scheduler.Scheduler.reserve_lookahead`, asking
+:meth:`Speculator.lookahead` how many), and the :class:`SpeculativeRunner` drafts into them,
+verifies through the plain runner's step (a :class:`VerifyChunk` feeds a sequence's drafts
+past its end) and applies the acceptance rule. The engine's step is unchanged: the scheduler
+advances the computed tokens past the accepted ones only, so the rejected tokens' slots are
+written over later (the paged rollback).
 """
 
 from __future__ import annotations
 
+import time
 import weakref
-from typing import Callable, Protocol
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Callable
 
 import torch
 
 from minillm.data.tokenizer import Tokenizer
-from minillm.decoding.sampling import SamplingParams
 from minillm.engine.config import EngineConfig
-from minillm.engine.kv_cache import PagedAttention
+from minillm.engine.kv_cache import PagedKVPool
 from minillm.engine.llm_engine import LLMEngine, Speedups
 from minillm.engine.model_runner import ChunkOutput, ModelRunner
 from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from minillm.engine.sequence import Sequence
 from minillm.model.gpt import GPT
-from minillm.speedups.speculative.drafters import ModelDrafter, NgramDrafter
-from minillm.speedups.speculative.rule import Draft, SpeculativeStats, accept
+from minillm.speedups.speculative.batch_drafters import BatchDrafter, EachSequence, PagedDrafter
+from minillm.speedups.speculative.crossover import Crossover, MeasuredChoice, time_costs
+from minillm.speedups.speculative.drafters import NgramDrafter
+from minillm.speedups.speculative.rule import Draft, SpeculativeStats, accept, accept_greedy
 
 
-class Drafter(Protocol):
-    def propose(self, tokens: list[int], k: int, params: SamplingParams, seed: int | None) -> Draft:
-        ...
+# Before any verification, acceptance is taken to be this, as if seen over so many judged tokens.
+PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.7, 20
 
 
 class Speculator:
-    """How drafts are made (a drafter per request, dropped with its ``Sequence``), how many a
-    step may verify (``k``), and the counters of every speculative step."""
+    """How drafts are made (a batch drafter, made once the engine's pool exists), how many a
+    sequence may verify (up to ``k``, adapted to its acceptance), up to which batch size
+    speculation runs, and the counters of every verification.
 
-    def __init__(self, make_drafter: Callable[[], Drafter], num_speculative_tokens: int) -> None:
+    A sequence's draft length follows its acceptance, much as Hugging Face's assisted
+    generation adjusts its own (two more after a full acceptance, one fewer after a
+    rejection): here one more after a round whose drafts were all accepted, one fewer (down to
+    one) after a rejection, so a sequence the drafter predicts badly wastes little."""
+
+    def __init__(self, make_drafter: Callable[[PagedKVPool], BatchDrafter], num_speculative_tokens: int,
+                 disable_by_batch_size: int | None = None) -> None:
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        if disable_by_batch_size is not None and disable_by_batch_size < 1:
+            raise ValueError(f"speculative_disable_by_batch_size must be >= 1, got {disable_by_batch_size}")
         self.make_drafter, self.k = make_drafter, num_speculative_tokens
+        # speculate in steps of at most so many sequences; None: where the crossover says it pays
+        self.disable_by_batch_size = disable_by_batch_size
+        self.crossover: Crossover | None = None  # measured by start() when no limit is given
+        self.measured = MeasuredChoice()  # the engine's own steps, timed, when no limit is given
+        self.steps = 0  # steps executed: a step's decision is made once, when the first decode asks
+        self._decision: tuple[int, bool] = (-1, False)
+        self.drafter: BatchDrafter | None = None
         self.stats = SpeculativeStats()
-        self.drafters: weakref.WeakKeyDictionary[Sequence, Drafter] = weakref.WeakKeyDictionary()
+        self.draft_lengths: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
+        self._limit: tuple[tuple[int, int], int] = ((-1, -1), 0)  # (accepted, rejections) -> batch limit
 
     @classmethod
-    def with_draft_model(cls, draft: GPT, target: GPT, num_speculative_tokens: int) -> Speculator:
-        """Speculate with a smaller model; it must speak the target's vocabulary."""
+    def with_draft_model(cls, draft: GPT, target: GPT, num_speculative_tokens: int,
+                         disable_by_batch_size: int | None = None,
+                         prepare: Callable[[GPT], GPT] | None = None) -> Speculator:
+        """Speculate with a smaller model; it must speak the target's vocabulary. ``prepare``
+        gets it once cast to the target's device and dtype (the engine packs its weights as it
+        packs the target's: a draft step is mostly the read of its LM head)."""
         if draft.cfg.vocab_size != target.cfg.vocab_size:
             raise ValueError(
                 f"the draft model's vocabulary ({draft.cfg.vocab_size}) differs from the target's "
                 f"({target.cfg.vocab_size}); speculative decoding needs the same tokenizer"
             )
         draft = draft.to(device=target.device, dtype=target.dtype).eval()
-        return cls(lambda: ModelDrafter(draft), num_speculative_tokens)
+        if prepare is not None:
+            draft = prepare(draft)
+        return cls(lambda pool: PagedDrafter(draft, pool), num_speculative_tokens, disable_by_batch_size)
 
     @classmethod
-    def with_ngram(cls, num_speculative_tokens: int, max_ngram: int = 3) -> Speculator:
+    def with_ngram(cls, num_speculative_tokens: int, max_ngram: int = 3,
+                   disable_by_batch_size: int | None = None) -> Speculator:
         """Speculate by prompt lookup: no draft model at all."""
-        return cls(lambda: NgramDrafter(max_ngram), num_speculative_tokens)
+        return cls(lambda pool: EachSequence(NgramDrafter(max_ngram)), num_speculative_tokens, disable_by_batch_size)
 
-    def propose(self, seq: Sequence, room: int) -> Draft:
-        """Up to ``room`` draft tokens for ``seq`` (the slots the scheduler reserved), from the
-        drafter it keeps for its whole life, made on its first draft."""
-        if seq not in self.drafters:
-            self.drafters[seq] = self.make_drafter()
-        return self.drafters[seq].propose(seq.token_ids, room, seq.params, seq.seed)
+    def start(self, runner: ModelRunner, max_batch: int) -> None:
+        """Make the drafter beside the engine's ``runner`` (a draft model's cache mirrors its
+        pool) and, unless a batch limit was given, time what speculation costs against batch
+        size through them (:func:`~minillm.speedups.speculative.crossover.time_costs`), doubling
+        the batch up to ``max_batch`` or until no acceptance could pay (the step is eager:
+        captured steps would be compiled for every size). Runs before any request."""
+        self.drafter = self.make_drafter(runner.pool)
+        if self.disable_by_batch_size is None:
+            batches = [2**i for i in range(max_batch.bit_length()) if 2**i <= max_batch]
+            model_drafter = self.drafter if isinstance(self.drafter, PagedDrafter) else None
+            costs = time_costs(runner, model_drafter, batches, self.k, stop_above=self.k + 1)
+            self.crossover = Crossover(costs) if costs else None
+
+    def acceptance(self) -> float:
+        """Per-position acceptance so far, starting from ``PRIOR_ACCEPTANCE`` as if it had been
+        seen over ``PRIOR_WEIGHT`` judged tokens, so that a few early rounds do not decide alone."""
+        judged = self.stats.accepted + self.stats.rejections
+        return (self.stats.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (judged + PRIOR_WEIGHT)
+
+    def batch_limit(self) -> int:
+        """The most sequences a step may have and still speculate: the given limit, or the
+        largest measured batch at which the acceptance so far pays for the round (0: none)."""
+        if self.disable_by_batch_size is not None:
+            return self.disable_by_batch_size
+        if self.crossover is None:  # the pool could not hold even one timing sequence: no evidence it pays
+            return 0
+        counts = (self.stats.accepted, self.stats.rejections)
+        if self._limit[0] != counts:
+            self._limit = (counts, self.crossover.limit(self.acceptance()))
+        return self._limit[1]
+
+    def speculates(self, batch: int) -> bool:
+        """Whether a step of ``batch`` sequences speculates: up to the given limit, or else as
+        the timed steps say (:class:`~minillm.speedups.speculative.crossover.MeasuredChoice`),
+        starting from the cost model's answer (:meth:`batch_limit`). Decided once a step."""
+        if self.disable_by_batch_size is not None:
+            return batch <= self.disable_by_batch_size
+        if self._decision[0] != self.steps:
+            self._decision = (self.steps, self.measured.choose(batch, favoured=batch <= self.batch_limit()))
+        return self._decision[1]
+
+    def lookahead(self, seq: Sequence, batch: int) -> int:
+        """Draft slots for ``seq`` in a step of ``batch`` sequences (the scheduler's question)."""
+        return self.draft_lengths.get(seq, self.k) if self.speculates(batch) else 0
+
+    def propose(self, chunks: list[ScheduledChunk]) -> list[Draft]:
+        """A draft for each chunk, into the lookahead slots the scheduler reserved for it."""
+        return self.drafter.propose([(c.seq, c.num_lookahead) for c in chunks])
+
+    def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """Count one verification and adapt ``seq``'s draft length to it."""
+        self.stats.record(drafted, accepted, accepted + 1)
+        if drafted:
+            length = self.draft_lengths.get(seq, self.k)
+            self.draft_lengths[seq] = min(self.k, length + 1) if accepted == drafted else max(1, length - 1)
+
+
+@dataclass
+class VerifyChunk(ScheduledChunk):
+    """A decode that feeds its sequence's last token and then a ``draft`` into the lookahead
+    slots: the target computes all their keys and values, and samples nothing for it (its
+    ``samples`` is False: the tokens run past the sequence's end); the rows go to the
+    acceptance rule instead."""
+
+    draft: Draft = field(default_factory=Draft)
+
+    def input_tokens(self) -> list[int]:
+        return [self.seq.token_ids[self.start], *self.draft.tokens]
 
 
 class SpeculativeRunner:
     """The executor of speculative steps, around the engine's :class:`ModelRunner`: a step
-    whose one chunk has lookahead slots (``chunk.num_lookahead``) drafts and verifies; every
-    other step is the plain runner's."""
+    with lookahead slots drafts for them, verifies in the plain runner's one forward, and
+    returns, for each speculating decode, its accepted drafts plus the next token; every
+    other chunk's output is the plain runner's."""
 
     def __init__(self, runner: ModelRunner, speculator: Speculator) -> None:
         self.runner, self.speculator = runner, speculator
 
     def execute(self, output: SchedulerOutput) -> list[ChunkOutput]:
-        """:meth:`ModelRunner.execute`, with a lone decode given lookahead slots speculating:
-        its output is the accepted drafts plus the next token."""
-        if len(output.chunks) == 1 and output.chunks[0].num_lookahead:
-            return [ChunkOutput(self.speculate(output.chunks[0]))]
-        return self.runner.execute(output)
+        """Run a step, and time it for the speculator if it decodes only."""
+        start = time.perf_counter()
+        speculating = [c for c in output.chunks if c.num_lookahead]
+        outputs = self.speculate(output, speculating) if speculating else self.runner.execute(output)
+        spec, chunks = self.speculator, output.chunks
+        spec.steps += 1
+        if all(c.is_decode for c in chunks):
+            tokens = sum(len(o.tokens) for o in outputs) / len(chunks)
+            spec.measured.record(len(chunks), bool(speculating), time.perf_counter() - start, tokens)
+        return outputs
+
+    def speculate(self, output: SchedulerOutput, speculating: list[ScheduledChunk]) -> list[ChunkOutput]:
+        """Draft for the ``speculating`` chunks, verify in the step's one forward, and return
+        every chunk's output (a speculating decode's: its accepted drafts and the next token)."""
+        with torch.inference_mode():
+            drafts = self.speculator.propose(speculating)
+        verifying = {id(c): VerifyChunk(c.seq, c.start, 1 + len(d), d) for c, d in zip(speculating, drafts) if d.tokens}
+        for c, d in zip(speculating, drafts):
+            if not d.tokens:  # nothing drafted: a plain decode, which the plain runner samples
+                self.speculator.record(c.seq, 0, 0)
+        step = self.runner.prepare(SchedulerOutput([verifying.get(id(c), c) for c in output.chunks]), captured=False)
+        computed = self.runner.compute(step)
+        outputs = self.runner.read(computed)
+        if verifying:
+            judged = self.judge([c for c in step.ordered if isinstance(c, VerifyChunk)], step.ordered, computed.hidden)
+            for i, c in enumerate(output.chunks):
+                if id(c) in verifying:
+                    outputs[i] = ChunkOutput(judged[id(verifying[id(c)])])
+        return outputs
 
     def close(self) -> None:
         self.runner.close()
 
     @torch.inference_mode()
-    def speculate(self, chunk: ScheduledChunk) -> list[int]:
-        """Draft up to ``chunk.num_lookahead`` tokens, verify them, and return the accepted
-        drafts plus the next token."""
-        draft = self.speculator.propose(chunk.seq, chunk.num_lookahead)
-        accepted, token = self.verify(chunk, draft)
-        self.speculator.stats.record(len(draft), accepted, accepted + 1)
-        return draft.tokens[:accepted] + [token]
-
-    def verify(self, chunk: ScheduledChunk, draft: Draft) -> tuple[int, int]:
-        """Run the target once over the sequence's last token and the ``draft``, writing their
-        keys and values into its blocks, and return ``(n_accepted, next_token)`` by the
-        acceptance rule (chapter 15)."""
-        runner, seq = self.runner, chunk.seq
-        span = ScheduledChunk(seq, chunk.start, 1 + len(draft))
-        (prefill,) = runner.prefill_chunks([span])
-        tokens = torch.tensor([seq.token_ids[-1], *draft.tokens], dtype=torch.long, device=runner.device)
-        positions = torch.arange(span.start, span.start + span.num_tokens, device=runner.device)
-        attention = PagedAttention(runner.pool, prefill.slots[span.start :], [], [prefill], backend=runner.attention)
-        hidden = runner.model.hidden_states(tokens[None], positions[None], attention)[0]
-        return accept(runner.model.logits(hidden).float(), draft, seq.params, seq.seed, span.start + 1)
+    def judge(self, verifying: list[VerifyChunk], ordered: list[ScheduledChunk], hidden: torch.Tensor) -> dict[int, list[int]]:
+        """Each verifying chunk's new tokens (by ``id``), from its rows of the forward's
+        ``hidden`` states (``ordered`` is the forward's order): one LM head over all of them,
+        then the acceptance rule per sequence (chapter 15), with its own draws."""
+        ends = dict(zip(map(id, ordered), accumulate(c.num_tokens for c in ordered)))
+        rows = [r for c in verifying for r in range(ends[id(c)] - c.num_tokens, ends[id(c)])]
+        logits = self.runner.model.logits(hidden[torch.tensor(rows, device=hidden.device)]).float()
+        best = logits.argmax(dim=-1).tolist() if any(c.seq.params.greedy for c in verifying) else None
+        judged, first = {}, 0
+        for c in verifying:
+            seq, draft, last = c.seq, c.draft, first + c.num_tokens
+            if seq.params.greedy:
+                accepted, token = accept_greedy(best[first:last], draft.tokens)
+            else:
+                accepted, token = accept(logits[first:last], draft, seq.params, seq.seed, c.start + 1)
+            self.speculator.record(seq, len(draft), accepted)
+            judged[id(c)] = draft.tokens[:accepted] + [token]
+            first = last
+        return judged
 
 
 class SpeculativeEngine(LLMEngine):
-    """The engine with speculative decoding on the steps that decode a single request: the
-    scheduler reserves up to ``speculator.k`` lookahead slots for such a step, and the
-    :class:`SpeculativeRunner` fills them."""
+    """The engine with speculative decoding: the scheduler reserves lookahead slots for the
+    decodes the speculator asks for, and the :class:`SpeculativeRunner` fills them."""
 
     def __init__(self, model: GPT, config: EngineConfig | None = None, tokenizer: Tokenizer | None = None,
                  speedups: Speedups | None = None, *, speculator: Speculator) -> None:
         super().__init__(model, config, tokenizer, speedups)
         self.speculator = speculator
+        speculator.start(self.runner, self.config.max_num_seqs)
         self.scheduler.num_lookahead_slots = speculator.k
+        self.scheduler.lookahead = speculator.lookahead
         self.overlap = False  # a speculative step's tokens decide the next step's length
         self.runner = SpeculativeRunner(self.runner, speculator)

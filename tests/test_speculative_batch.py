@@ -1,0 +1,209 @@
+"""Speculation for the whole batch: every decoding request of a step drafts, one forward
+verifies them all, and the output stays the target's: token for token greedy, through
+preemption, prefix caching, new arrivals and aborts; in distribution sampled."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from minillm.decoding.sampling import SamplingParams
+from minillm.engine.config import EngineConfig
+from minillm.engine.llm import LLM
+from minillm.model.config import ModelConfig
+from minillm.model.gpt import GPT
+from minillm.speedups.speculative.speculator import SpeculativeEngine, Speculator
+from test_speculative import peaky
+
+CFG = ModelConfig(context_length=96, d_model=32, n_layers=2, n_heads=4)
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1, 2, 3], list(range(100, 140)), [9, 9, 9, 4, 4]]
+GREEDY = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target() -> GPT:
+    return peaky(CFG, 0)
+
+
+@pytest.fixture(scope="module")
+def draft() -> GPT:
+    return peaky(CFG, 1)
+
+
+@pytest.fixture(scope="module")
+def reference(target) -> list[list[int]]:
+    return [out.token_ids for out in LLM(target, num_blocks=64, block_size=8).generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def run_steps(engine: SpeculativeEngine, requests: dict[str, tuple[list[int], SamplingParams]],
+              arrivals: dict[int, str] | None = None) -> tuple[dict[str, list[int]], list[list[int]]]:
+    """Step ``engine`` to the end; a request named in ``arrivals`` is added before that step.
+    Returns each request's tokens and, per step, every chunk's lookahead slots."""
+    arrivals = arrivals or {}
+    for name, (prompt, params) in requests.items():
+        if name not in arrivals.values():
+            engine.add_request(name, prompt, params)
+    tokens: dict[str, list[int]] = {name: [] for name in requests}
+    lookaheads, step = [], 0
+    while engine.has_unfinished or step in arrivals:
+        if step in arrivals:
+            engine.add_request(arrivals[step], *requests[arrivals[step]])
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        lookaheads.append([c.num_lookahead for c in engine.last_step.chunks])
+        step += 1
+    return tokens, lookaheads
+
+
+@pytest.mark.parametrize("kind", ["target as draft", "other model"])
+def test_a_batch_verifies_together_and_stays_the_targets_through_preemption(target, draft, reference, kind) -> None:
+    """A pool too small for four requests at once: the newest are preempted and recomputed
+    while the others speculate, and every request's tokens are still the target's alone."""
+    speculator = Speculator.with_draft_model(target if kind == "target as draft" else draft, target, 4,
+                                             disable_by_batch_size=8)
+    engine = SpeculativeEngine(target, EngineConfig(num_blocks=14, block_size=8), speculator=speculator)
+    tokens, lookaheads = run_steps(engine, {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)})
+    assert [tokens[str(i)] for i in range(len(PROMPTS))] == reference
+    assert engine.scheduler.num_preemptions > 0
+    assert max(sum(n > 0 for n in step) for step in lookaheads) >= 3  # several sequences drafted in one step
+    assert engine.allocator.num_used_blocks == 0
+    if kind == "target as draft":
+        assert speculator.stats.acceptance_rate == 1.0
+        assert speculator.stats.tokens_per_pass > 3
+
+
+def test_draft_lengths_follow_acceptance(target, draft) -> None:
+    """A drafter the target always agrees with keeps drafting ``k``; one it never agrees with
+    falls to a single token, so a bad drafter wastes little."""
+    for model, expected in ((target, 4), (draft, 1)):
+        speculator = Speculator.with_draft_model(model, target, 4, disable_by_batch_size=8)
+        engine = SpeculativeEngine(target, EngineConfig(num_blocks=64, block_size=8), speculator=speculator)
+        seqs = [engine.add_request(i, p, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+                for i, p in enumerate(PROMPTS[:2])]
+        for _ in range(8):
+            engine.step()
+        assert [speculator.draft_lengths[s] for s in seqs] == [expected, expected]
+    assert speculator.stats.acceptance_by_position[0] < 0.2  # the bad drafter's first tokens were rejected
+
+
+def test_past_the_batch_limit_no_one_drafts(target, reference) -> None:
+    speculator = Speculator.with_draft_model(target, target, 3, disable_by_batch_size=2)
+    engine = SpeculativeEngine(target, EngineConfig(num_blocks=64, block_size=8), speculator=speculator)
+    short = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)  # two finish early
+    tokens, lookaheads = run_steps(engine, {str(i): (p, short if i < 2 else GREEDY) for i, p in enumerate(PROMPTS)})
+    assert [tokens[str(i)] for i in range(len(PROMPTS))] == [r[:10] for r in reference[:2]] + reference[2:]
+    assert all(not any(step) for step in lookaheads if len(step) > 2)
+    assert any(sum(n > 0 for n in step) == 2 for step in lookaheads)  # two left: both draft
+
+
+def test_arrivals_prefix_hits_aborts_and_token_by_token_rows_share_the_verifying_step(target, draft, reference) -> None:
+    """A prompt arriving mid-run is prefilled in the step that verifies the others' drafts; a
+    request that shares a cached prefix speculates over it; a request that reports logprobs
+    (its logits matter at every position) decodes token by token in the same steps; an
+    aborted request leaves the others as they were."""
+    engine = SpeculativeEngine(target, EngineConfig(num_blocks=64, block_size=8),
+                               speculator=Speculator.with_draft_model(draft, target, 3, disable_by_batch_size=8))
+    shared = PROMPTS[2] + [7, 7]  # its first 40 tokens are request "2"'s, in the prefix cache by then
+    requests = {"0": (PROMPTS[0], GREEDY), "2": (PROMPTS[2], GREEDY),
+                "late": (PROMPTS[1], GREEDY), "prefix": (shared, GREEDY),
+                "logprobs": (PROMPTS[3], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=2)),
+                "aborted": ([3, 1, 4, 1, 5], GREEDY)}
+    engine.add_request("aborted", *requests["aborted"])
+    engine.step()
+    engine.abort("aborted")
+    tokens, lookaheads = run_steps(engine, {k: v for k, v in requests.items() if k != "aborted"},
+                                   arrivals={3: "late", 6: "prefix"})
+    assert [tokens["0"], tokens["late"], tokens["2"], tokens["logprobs"]] == reference
+    alone = LLM(target, num_blocks=64, block_size=8).generate([shared], GREEDY, use_tqdm=False)[0].token_ids
+    assert tokens["prefix"] == alone
+    assert engine.allocator.prefix_hit_rate > 0
+    assert engine.allocator.num_used_blocks == 0
+
+
+def _exact_marginal(model: GPT, prompt: list[int], n: int, skip: int) -> dict[tuple[int, ...], float]:
+    """The target's probability of tokens ``skip .. n - 1`` of an ``n``-token continuation."""
+    vocab = model.cfg.vocab_size
+    marginal: dict[tuple[int, ...], float] = {}
+    with torch.no_grad():
+        for seq in itertools.product(range(vocab), repeat=n):
+            probs = torch.softmax(model(torch.tensor([prompt + list(seq)]))[0].float(), dim=-1)
+            p = float(torch.prod(torch.stack([probs[len(prompt) - 1 + i, t] for i, t in enumerate(seq)])))
+            marginal[seq[skip:]] = marginal.get(seq[skip:], 0.0) + p
+    return marginal
+
+
+def test_a_sampled_batch_has_the_targets_distribution() -> None:
+    """Hundreds of seeded requests in one batch, each drafting with another model: the tokens
+    that speculation decided (after the prompt's first sampled token) follow the target's
+    distribution, not the draft's, and both acceptance and rejection took part."""
+    cfg = ModelConfig(context_length=16, d_model=16, n_layers=1, n_heads=2, vocab_size=4)
+    target, draft = peaky(cfg, 10, std=0.5), peaky(cfg, 11, std=0.5)
+    prompt, n, runs = [0, 1], 3, 2000
+    exact, drafts_own = _exact_marginal(target, prompt, n, 1), _exact_marginal(draft, prompt, n, 1)
+    llm = LLM(target, num_blocks=2 * runs, block_size=4, max_num_seqs=runs, speculative_draft=draft,
+              num_speculative_tokens=2, speculative_disable_by_batch_size=runs)
+    params = [SamplingParams(max_tokens=n, temperature=1.0, seed=run, ignore_eos=True) for run in range(runs)]
+    counts = dict.fromkeys(exact, 0)
+    for out in llm.generate([prompt] * runs, params, use_tqdm=False):
+        counts[tuple(out.token_ids[1:])] += 1
+    tv = 0.5 * sum(abs(counts[s] / runs - exact[s]) for s in exact)
+    assert tv < 0.04, f"total variation {tv:.3f} from the target's distribution"
+    assert 0.5 * sum(abs(drafts_own[s] - exact[s]) for s in exact) > 0.2  # the draft's own is far off
+    stats = llm.engine.speculator.stats
+    assert 0.1 * stats.drafted < stats.accepted < 0.9 * stats.drafted
+    assert stats.target_passes >= runs  # every request drafted, in steps of the whole batch
+
+
+def test_the_crossover_reads_the_limit_off_the_measured_costs() -> None:
+    from minillm.speedups.speculative.crossover import Crossover, StepCosts
+
+    ratios = {1: 1.2, 2: 1.3, 4: 2.0, 8: 4.5}  # a round of k = 4 drafts in plain steps: verify + 4 drafts
+    crossover = Crossover([StepCosts(b, 4, 1.0, r - 0.4, 0.1) for b, r in ratios.items()])
+    assert crossover.ratio(4) == pytest.approx(2.0)
+    assert crossover.ratio(6) == pytest.approx(2.0 + (math.log2(6) - 2) * 2.5)  # between sizes, in log-batch
+    assert crossover.ratio(4, j=2) == pytest.approx(1.5)  # half the drafts, half the verification's extra rows
+    assert crossover.limit(0.8) == 4  # 3.36 tokens a pass pay for 2.0 steps; at 8 no draft length pays
+    assert crossover.limit(0.3) == 4  # one draft a round still pays there: 1.3 tokens for 1.25 steps
+    assert crossover.limit(0.2) == 2  # 1.2 tokens: not at 4
+    assert crossover.limit(0.0) == 0  # one token a pass never pays for a round
+    assert crossover.pays(3, 0.8) and not crossover.pays(8, 0.8)
+
+
+def test_the_measured_choice_tries_both_then_keeps_the_faster_and_retries_the_other() -> None:
+    from minillm.speedups.speculative.crossover import MeasuredChoice
+
+    choice = MeasuredChoice(retry_every=4)
+    assert choice.choose(4, favoured=True) is True  # untimed: the cost model's answer first
+    choice.record(4, True, seconds=0.030, tokens_per_sequence=2.0)  # 15 ms a token
+    assert choice.choose(5, favoured=True) is False  # same bucket (4-7): now time the plain step
+    choice.record(5, False, seconds=0.010, tokens_per_sequence=1.0)  # 10 ms a token: plain is faster
+    steps = [choice.choose(6, favoured=True) for _ in range(28)]  # the slower retried after 4, 8, 16 steps
+    assert [i for i, speculated in enumerate(steps) if speculated] == [3, 11, 27]
+    assert choice.choose(1, favoured=False) is False and choice.choose(16, favoured=True) is True  # other buckets
+    for _ in range(20):  # the drafter got better: speculative steps now 5 ms a token
+        choice.record(4, True, seconds=0.010, tokens_per_sequence=2.0)
+    assert choice.choose(4, favoured=False) is True
+
+
+def test_the_engine_times_both_ways_and_its_output_stays_the_targets(target, draft, reference) -> None:
+    """Without a given limit the engine times a speculative round against plain steps at
+    batch 1, 2, 4, ... through its own runner before it serves (the cost model), then times its
+    own decode steps both ways at each batch size; with nothing ever accepted, the model
+    favours plain steps, which the first decode step at a batch size follows."""
+    from minillm.speedups.speculative.rule import SpeculativeStats
+
+    speculator = Speculator.with_draft_model(draft, target, 3)
+    engine = SpeculativeEngine(target, EngineConfig(num_blocks=64, block_size=8), speculator=speculator)
+    costs = speculator.crossover.costs
+    assert [c.batch for c in costs] == [1, 2, 4][: len(costs)] and costs[0].ratio > 1  # a round costs more than a step
+    assert engine.allocator.num_used_blocks == 0
+    speculator.stats = SpeculativeStats(target_passes=1, drafted=500, rejections=500)  # nothing accepted, ever
+    tokens, lookaheads = run_steps(engine, {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)})
+    assert [tokens[str(i)] for i in range(len(PROMPTS))] == reference  # (timing wrote the pool; nothing read it)
+    decode_steps = lookaheads[1:]  # after the prefill, four decodes a step
+    assert not any(decode_steps[0]) and all(decode_steps[1])  # plain first, as the model says; then timed speculating
+    timed = speculator.measured.buckets[3]  # batch 4
+    assert timed.plain is not None and timed.speculative is not None
