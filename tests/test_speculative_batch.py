@@ -207,3 +207,15 @@ def test_the_engine_times_both_ways_and_its_output_stays_the_targets(target, dra
     assert not any(decode_steps[0]) and all(decode_steps[1])  # plain first, as the model says; then timed speculating
     timed = speculator.measured.buckets[3]  # batch 4
     assert timed.plain is not None and timed.speculative is not None
+
+
+def test_the_batch_sweep_compares_three_engines_on_the_same_prompts(target, draft) -> None:
+    from minillm.bench.speculative import batch_sweep
+
+    report = batch_sweep(target, draft, [1, 2], max_new=6, rounds=1, progress=False, prompts=PROMPTS[:2])
+    assert [r["batch"] for r in report["rows"]] == [1, 2]
+    assert all(r["identical"] for r in report["rows"])  # plain, speculating and automatic agree token for token
+    assert all(r["tokens_per_pass"] >= 1 and r["speedup"] > 0 for r in report["rows"])
+    assert report["costs"] and all(c["ratio"] > 0 for c in report["costs"])
+    with pytest.raises(ValueError, match="cannot fill a batch of 4"):
+        batch_sweep(target, draft, [4], prompts=PROMPTS[:2])

@@ -22,6 +22,7 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ from minillm.speedups.speculative.drafters import ModelDrafter, NgramDrafter
 from minillm.decoding.generate import ContiguousKVCache, generate_kv_cache
 from minillm.machine.hardware import Timing, device_name
 from minillm.model.gpt import GPT
-from minillm.speedups.speculative.crossover import cached_step, expected_tokens_per_pass
+from minillm.speedups.speculative.crossover import expected_tokens_per_pass
 from minillm.speedups.speculative.rule import SpeculativeStats, generate_speculative
 from minillm.data.tokenizer import get_tokenizer
 from minillm.settings import quick
@@ -91,6 +92,24 @@ def predicted_speedup(row: dict, costs: dict, drafter_step_s: float) -> float:
     verify = np.interp(row["drafted_per_pass"], [0, *ks], [costs["target_step_s"], *(verify_s[k] for k in ks)])
     pass_cost = row["drafted_per_pass"] * drafter_step_s + float(verify)
     return row["tokens_per_pass"] * costs["target_step_s"] / pass_cost
+
+
+def cached_step(model: GPT, batch: int, n: int, context: int,
+                cache: ContiguousKVCache | None = None) -> Callable[[], None]:
+    """A forward over ``n`` new tokens of ``batch`` sequences after ``context`` cached positions
+    (in ``cache``, else a fresh one prefilled with random tokens), rolled back after every run."""
+    device, vocab = model.device, model.cfg.vocab_size
+    if cache is None:
+        cache = ContiguousKVCache(model, batch, context + n)
+        model(torch.randint(vocab, (batch, context), device=device), cache=cache)
+    tokens = torch.randint(vocab, (batch, n), device=device)
+    positions = torch.arange(context, context + n, device=device).expand(batch, n)
+
+    def step() -> None:
+        model(tokens, positions, cache)
+        cache.length = context
+
+    return step
 
 
 @torch.no_grad()
@@ -173,7 +192,8 @@ BATCHES = [1, 2, 4, 8, 16, 32, 64]
 
 
 def batch_sweep(target: GPT, draft: GPT, batches: list[int], *, k: int = 4, prompt_len: int = 32,
-                max_new: int = 48, rounds: int = 3, progress: bool = True) -> dict:
+                max_new: int = 48, rounds: int = 3, progress: bool = True,
+                prompts: list[list[int]] | None = None) -> dict:
     """Speculation for the whole batch, through the engine: at each batch size, greedy
     tokens/s of plain decoding, of speculation at every batch size (the curve) and of
     speculation with the engine's automatic batch limit, over held-out story openings.
@@ -182,12 +202,15 @@ def batch_sweep(target: GPT, draft: GPT, batches: list[int], *, k: int = 4, prom
     alike; each time includes the prompts' prefill, which is the same for all three. Beside
     the measured speedup, the crossover's prediction: tokens per verification pass (measured
     here) over the cost of a speculative round in plain steps (``r(B)``, timed by the
-    automatic engine at start-up)."""
+    automatic engine at start-up). ``prompts`` (default: held-out story openings of
+    ``prompt_len`` tokens) must number at least the largest batch."""
     from minillm.decoding.sampling import SamplingParams
     from minillm.engine.llm import LLM
 
     most = max(batches)
-    prompts = story_prompts(most, prompt_len)
+    prompts = story_prompts(most, prompt_len) if prompts is None else prompts
+    if len(prompts) < most:
+        raise ValueError(f"{len(prompts)} prompts cannot fill a batch of {most}")
     params = SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True)
     engines = {"plain": LLM(target, max_num_seqs=most),
                "speculative": LLM(target, max_num_seqs=most, speculative_draft=draft, num_speculative_tokens=k,

@@ -17,17 +17,14 @@ this machine, and :class:`Crossover` reads the limit off it for an acceptance.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import numpy as np
 import torch
 
-from minillm.decoding.generate import ContiguousKVCache
 from minillm.decoding.sampling import SamplingParams
 from minillm.engine.model_runner import ModelRunner
 from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from minillm.machine.hardware import median_seconds
-from minillm.model.gpt import GPT
 from minillm.speedups.speculative.batch_drafters import PagedDrafter, SequenceView, Drafting
 
 
@@ -36,24 +33,6 @@ def expected_tokens_per_pass(alpha: float, k: int) -> float:
     round drafts ``k`` tokens and each is accepted with probability ``alpha`` given that the
     earlier ones were (``alpha`` per position, not accepted over drafted)."""
     return k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
-def cached_step(model: GPT, batch: int, n: int, context: int,
-                cache: ContiguousKVCache | None = None) -> Callable[[], None]:
-    """A forward over ``n`` new tokens of ``batch`` sequences after ``context`` cached positions
-    (in ``cache``, else a fresh one prefilled with random tokens), rolled back after every run."""
-    device, vocab = model.device, model.cfg.vocab_size
-    if cache is None:
-        cache = ContiguousKVCache(model, batch, context + n)
-        model(torch.randint(vocab, (batch, context), device=device), cache=cache)
-    tokens = torch.randint(vocab, (batch, n), device=device)
-    positions = torch.arange(context, context + n, device=device).expand(batch, n)
-
-    def step() -> None:
-        model(tokens, positions, cache)
-        cache.length = context
-
-    return step
 
 
 @dataclass(frozen=True)
@@ -176,9 +155,10 @@ class MeasuredChoice:
     after ``retry_every`` steps there, so a drafter whose acceptance changes is followed. Each
     retry that finds the same variant faster doubles the wait before the next (up to
     ``max_retry_every``), so a variant that keeps losing costs ever fewer slow steps; a retry
-    that changes the answer starts the waits over."""
+    that changes the answer starts the waits over. A retry of speculation is dear (the draft's
+    cache has to catch up on every token since it last drafted), hence the long first wait."""
 
-    def __init__(self, retry_every: int = 16, max_retry_every: int = 1024, smoothing: float = 0.25) -> None:
+    def __init__(self, retry_every: int = 64, max_retry_every: int = 4096, smoothing: float = 0.25) -> None:
         self.retry_every, self.max_retry_every, self.smoothing = retry_every, max_retry_every, smoothing
         self.buckets: dict[int, _Timings] = {}
 
