@@ -17,20 +17,10 @@ from minillm.model.config import ModelConfig
 from minillm.model.gpt import GPT
 from minillm.speedups.speculative.speculator import SpeculativeEngine, Speculator
 from test_speculative import peaky
+from test_speculative_engine import draft, target  # noqa: F401 (the same two models, as fixtures)
 
-CFG = ModelConfig(context_length=96, d_model=32, n_layers=2, n_heads=4)
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1, 2, 3], list(range(100, 140)), [9, 9, 9, 4, 4]]
 GREEDY = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def target() -> GPT:
-    return peaky(CFG, 0)
-
-
-@pytest.fixture(scope="module")
-def draft() -> GPT:
-    return peaky(CFG, 1)
 
 
 @pytest.fixture(scope="module")
