@@ -91,7 +91,7 @@ def test_a_prompt_in_the_prefix_cache_is_still_scored(model: GPT):
 
 
 def test_speculation_steps_aside_for_a_request_with_logprobs(model: GPT):
-    llm = LLM(model, speculative_draft="ngram", num_speculative_tokens=3)
+    llm = LLM(model, speculative_draft="ngram", num_speculative_tokens=3, speculative_disable_by_batch_size=8)
     prompt = [5, 6, 7] * 8  # prompt lookup would draft plenty here
     out = llm.generate([prompt], PARAMS[0], use_tqdm=False)[0]
     check(out.logprobs, log_softmax_rows(model, prompt + out.token_ids)[len(prompt) - 1 : -1], out.token_ids, 5)
