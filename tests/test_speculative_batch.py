@@ -5,7 +5,6 @@ preemption, prefix caching, new arrivals and aborts; in distribution sampled."""
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 import torch
@@ -147,54 +146,48 @@ def test_a_sampled_batch_has_the_targets_distribution() -> None:
     assert stats.target_passes >= runs  # every request drafted, in steps of the whole batch
 
 
-def test_the_crossover_reads_the_limit_off_the_measured_costs() -> None:
-    from minillm.speedups.speculative.crossover import Crossover, StepCosts
+def test_the_round_costs_are_timed_through_the_engine_before_it_serves(target, draft) -> None:
+    """The benchmark's prediction: a round (a verification of k + 1 tokens per sequence and k
+    draft steps) in plain steps, timed on random sequences through a fresh engine's runner and
+    drafter, for every batch the pool can hold."""
+    from minillm.bench.speculative import StepCosts, time_costs
 
-    ratios = {1: 1.2, 2: 1.3, 4: 2.0, 8: 4.5}  # a round of k = 4 drafts in plain steps: verify + 4 drafts
-    crossover = Crossover([StepCosts(b, 4, 1.0, r - 0.4, 0.1) for b, r in ratios.items()])
-    assert crossover.ratio(4) == pytest.approx(2.0)
-    assert crossover.ratio(6) == pytest.approx(2.0 + (math.log2(6) - 2) * 2.5)  # between sizes, in log-batch
-    assert crossover.ratio(4, j=2) == pytest.approx(1.5)  # half the drafts, half the verification's extra rows
-    assert crossover.limit(0.8) == 4  # 3.36 tokens a pass pay for 2.0 steps; at 8 no draft length pays
-    assert crossover.limit(0.3) == 4  # one draft a round still pays there: 1.3 tokens for 1.25 steps
-    assert crossover.limit(0.2) == 2  # 1.2 tokens: not at 4
-    assert crossover.limit(0.0) == 0  # one token a pass never pays for a round
-    assert crossover.pays(3, 0.8) and not crossover.pays(8, 0.8)
+    assert StepCosts(4, 4, step_s=1.0, verify_s=1.6, draft_s=0.1).ratio == pytest.approx(2.0)
+    engine = SpeculativeEngine(target, EngineConfig(num_blocks=64, block_size=8),
+                               speculator=Speculator.with_draft_model(draft, target, 3))
+    costs = time_costs(engine.runner.runner, engine.speculator.drafter, [1, 2, 4, 8], 3, repeats=1)
+    assert [c.batch for c in costs] == [1, 2, 4]  # 9 blocks a sequence: 8 sequences do not fit 64 blocks
+    assert all(c.step_s > 0 and c.verify_s > 0 and c.draft_s > 0 for c in costs)
+    assert costs[0].ratio > 1  # three draft steps of a model as large as the target: dearer than a step
+    assert engine.allocator.num_used_blocks == 0
 
 
 def test_the_measured_choice_tries_both_then_keeps_the_faster_and_retries_the_other() -> None:
     from minillm.speedups.speculative.crossover import MeasuredChoice
 
     choice = MeasuredChoice(retry_every=4)
-    assert choice.choose(4, favoured=True) is True  # untimed: the cost model's answer first
+    assert choice.choose(4) is True  # untimed: speculation first
     choice.record(4, True, seconds=0.030, tokens_per_sequence=2.0)  # 15 ms a token
-    assert choice.choose(5, favoured=True) is False  # same bucket (4-7): now time the plain step
+    assert choice.choose(5) is False  # same bucket (4-7): now time the plain step
     choice.record(5, False, seconds=0.010, tokens_per_sequence=1.0)  # 10 ms a token: plain is faster
-    steps = [choice.choose(6, favoured=True) for _ in range(28)]  # the slower retried after 4, 8, 16 steps
+    steps = [choice.choose(6) for _ in range(28)]  # the slower retried after 4, 8, 16 steps
     assert [i for i, speculated in enumerate(steps) if speculated] == [3, 11, 27]
-    assert choice.choose(1, favoured=False) is False and choice.choose(16, favoured=True) is True  # other buckets
+    assert choice.choose(1) is True and choice.choose(16) is True  # other buckets start afresh
     for _ in range(20):  # the drafter got better: speculative steps now 5 ms a token
         choice.record(4, True, seconds=0.010, tokens_per_sequence=2.0)
-    assert choice.choose(4, favoured=False) is True
+    assert choice.choose(4) is True
 
 
 def test_the_engine_times_both_ways_and_its_output_stays_the_targets(target, draft, reference) -> None:
-    """Without a given limit the engine times a speculative round against plain steps at
-    batch 1, 2, 4, ... through its own runner before it serves (the cost model), then times its
-    own decode steps both ways at each batch size; with nothing ever accepted, the model
-    favours plain steps, which the first decode step at a batch size follows."""
-    from minillm.speedups.speculative.rule import SpeculativeStats
-
+    """Without a given limit the engine times its own decode steps both ways at each batch
+    size: its first decode step at a size speculates, its second does not, and from then on
+    the faster decides; the tokens stay the target's all along."""
     speculator = Speculator.with_draft_model(draft, target, 3)
     engine = SpeculativeEngine(target, EngineConfig(num_blocks=64, block_size=8), speculator=speculator)
-    costs = speculator.crossover.costs
-    assert [c.batch for c in costs] == [1, 2, 4][: len(costs)] and costs[0].ratio > 1  # a round costs more than a step
-    assert engine.allocator.num_used_blocks == 0
-    speculator.stats = SpeculativeStats(target_passes=1, drafted=500, rejections=500)  # nothing accepted, ever
     tokens, lookaheads = run_steps(engine, {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)})
-    assert [tokens[str(i)] for i in range(len(PROMPTS))] == reference  # (timing wrote the pool; nothing read it)
+    assert [tokens[str(i)] for i in range(len(PROMPTS))] == reference
     decode_steps = lookaheads[1:]  # after the prefill, four decodes a step
-    assert not any(decode_steps[0]) and all(decode_steps[1])  # plain first, as the model says; then timed speculating
+    assert all(decode_steps[0]) and not any(decode_steps[1])  # speculation first, then a plain step, both timed
     timed = speculator.measured.buckets[3]  # batch 4
     assert timed.plain is not None and timed.speculative is not None
 

@@ -106,7 +106,8 @@ def test_server_flags(tmp_path, target) -> None:
     config = parse_args(["--speculative-draft", "ngram", "--num-speculative-tokens", "6"], environ={})
     assert build(replace(config, checkpoint=path)).speculator.k == 6
     config = parse_args(["--speculative-draft", "ngram", "--speculative-disable-by-batch-size", "8"], environ={})
-    assert build(replace(config, checkpoint=path)).speculator.batch_limit() == 8
+    speculator = build(replace(config, checkpoint=path)).speculator
+    assert speculator.speculates(8) and not speculator.speculates(9)
     with pytest.raises(UsageError, match="--speculative-disable-by-batch-size"):
         parse_args(["--speculative-draft", "ngram", "--speculative-disable-by-batch-size", "0"], environ={})
     with pytest.raises(UsageError, match="num_speculative_tokens"):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -32,9 +33,12 @@ from minillm.cli import UsageError
 from minillm.data.corpus import prepare_corpus
 from minillm.speedups.speculative.drafters import ModelDrafter, NgramDrafter
 from minillm.decoding.generate import ContiguousKVCache, generate_kv_cache
-from minillm.machine.hardware import Timing, device_name
+from minillm.decoding.sampling import SamplingParams
+from minillm.engine.model_runner import ModelRunner
+from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
+from minillm.machine.hardware import Timing, device_name, median_seconds
 from minillm.model.gpt import GPT
-from minillm.speedups.speculative.crossover import expected_tokens_per_pass
+from minillm.speedups.speculative.batch_drafters import Drafting, PagedDrafter, SequenceView
 from minillm.speedups.speculative.rule import SpeculativeStats, generate_speculative
 from minillm.data.tokenizer import get_tokenizer
 from minillm.settings import quick
@@ -74,6 +78,69 @@ def out_of_domain_prompts(n: int, length: int) -> list[list[int]]:
         raise ValueError(f"there are {len(OUT_OF_DOMAIN)} out-of-domain openings, not {n}")
     tok = get_tokenizer()
     return [[tok.eot, *tok.encode(text)[:length]] for text in OUT_OF_DOMAIN[:n]]
+
+
+def expected_tokens_per_pass(alpha: float, k: int) -> float:
+    """Leviathan et al.'s expected tokens per target pass, ``1 + alpha + ... + alpha^k``, when a
+    round drafts ``k`` tokens and each is accepted with probability ``alpha`` given that the
+    earlier ones were (``alpha`` per position, not accepted over drafted)."""
+    return k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Median seconds, at ``batch`` sequences, of a plain decode step, of a verification of
+    ``k + 1`` tokens per sequence, and of one draft step (0 for a drafter with no model)."""
+
+    batch: int
+    k: int
+    step_s: float
+    verify_s: float
+    draft_s: float
+
+    @property
+    def ratio(self) -> float:
+        """``r(B)``: a speculative round's cost in plain steps."""
+        return (self.verify_s + self.k * self.draft_s) / self.step_s
+
+
+@torch.inference_mode()
+def time_costs(runner: ModelRunner, drafter: PagedDrafter | None, batches: list[int], k: int, context: int = 64,
+               repeats: int = 3) -> list[StepCosts]:
+    """:class:`StepCosts` at each batch size, in order, measured through the engine's own
+    ``runner`` and ``drafter`` (the paged attention, the LM head over every verified row and
+    the read-back included) on random sequences of ``context`` tokens laid in the pool's first
+    blocks, so it must run on an engine that has served nothing yet. Batches the pool cannot
+    hold are left out."""
+    device, vocab, bs = runner.device, runner.model.cfg.vocab_size, runner.pool.block_size
+    context = min(context, runner.model.cfg.context_length - k - 1)  # every position inside the model's context
+    if context < 1:
+        return []
+    blocks = -(-(context + k + 1) // bs)
+    greedy = SamplingParams(temperature=0)
+    rows = []
+    for b in batches:
+        if b * blocks > runner.pool.num_blocks:
+            break
+        views = [SequenceView(i, torch.randint(vocab, (context + k + 1,)).tolist(), list(range(i * blocks, (i + 1) * blocks)),
+                              1, greedy, 0) for i in range(b)]
+        plain = SchedulerOutput([ScheduledChunk(replace(v, token_ids=v.token_ids[: context + 1]), context, 1)
+                                 for v in views])  # type: ignore[arg-type]
+        verify = SchedulerOutput([ScheduledChunk(v, context, k + 1) for v in views])  # type: ignore[arg-type]
+
+        def verifying() -> None:
+            hidden = runner.forward(runner.prepare(verify, captured=False))
+            runner.model.logits(hidden).float().argmax(dim=-1).tolist()
+
+        step = median_seconds(lambda: runner.execute_prepared(runner.prepare(plain, captured=False)), device,
+                              repeats=repeats)
+        verify_s = median_seconds(verifying, device, repeats=repeats)
+        drafting = 0.0
+        if drafter is not None:
+            drafts = [ScheduledChunk(Drafting(**vars(v)), context, 1) for v in views]  # type: ignore[arg-type]
+            drafting = median_seconds(lambda: drafter.draft_one(drafts), device, repeats=repeats)
+        rows.append(StepCosts(b, k, step, verify_s, drafting))
+    return rows
 
 
 def expected_speedup(alpha: float, k: int, c: float) -> float:
@@ -196,15 +263,14 @@ def batch_sweep(target: GPT, draft: GPT, batches: list[int], *, k: int = 4, prom
                 prompts: list[list[int]] | None = None) -> dict:
     """Speculation for the whole batch, through the engine: at each batch size, greedy
     tokens/s of plain decoding, of speculation at every batch size (the curve) and of
-    speculation with the engine's automatic batch limit, over held-out story openings.
+    speculation left to the engine's own choice, over held-out story openings.
 
     The three engines run one after another in every round, so a busy neighbour slows them
     alike; each time includes the prompts' prefill, which is the same for all three. Beside
     the measured speedup, the crossover's prediction: tokens per verification pass (measured
-    here) over the cost of a speculative round in plain steps (``r(B)``, timed by the
-    automatic engine at start-up). ``prompts`` (default: held-out story openings of
+    here) over the cost of a speculative round in plain steps (``r(B)``, :func:`time_costs`,
+    through the speculating engine before it serves). ``prompts`` (default: held-out story openings of
     ``prompt_len`` tokens) must number at least the largest batch."""
-    from minillm.decoding.sampling import SamplingParams
     from minillm.engine.llm import LLM
 
     most = max(batches)
@@ -216,7 +282,8 @@ def batch_sweep(target: GPT, draft: GPT, batches: list[int], *, k: int = 4, prom
                "speculative": LLM(target, max_num_seqs=most, speculative_draft=draft, num_speculative_tokens=k,
                                   speculative_disable_by_batch_size=most),
                "automatic": LLM(target, max_num_seqs=most, speculative_draft=draft, num_speculative_tokens=k)}
-    crossover = engines["automatic"].engine.speculator.crossover
+    spec = engines["speculative"].engine  # nothing served yet: its pool is free for timing
+    costs = {c.batch: c for c in time_costs(spec.runner.runner, spec.speculator.drafter, batches, k, repeats=10)}
     rows = []
     for b in batches:
         times: dict[str, list[float]] = {name: [] for name in engines}
@@ -235,7 +302,7 @@ def batch_sweep(target: GPT, draft: GPT, batches: list[int], *, k: int = 4, prom
                     stats[name] = spec.stats
         tok_s = {name: [b * max_new / t for t in ts] for name, ts in times.items()}
         s = stats["speculative"]
-        ratio = crossover.ratio(b) if crossover is not None else None
+        ratio = costs[b].ratio if b in costs else None
         row = {"batch": b,
                **{f"{name}_tok_s": statistics.median(v) for name, v in tok_s.items()},
                **{f"{name}_tok_s_range": [min(v), max(v)] for name, v in tok_s.items()},
@@ -263,7 +330,7 @@ def batch_sweep(target: GPT, draft: GPT, batches: list[int], *, k: int = 4, prom
             "crossover_predicted": min(predicted_losing) if predicted_losing else None,
             "automatic_timings": {f"{2 ** (b - 1)}+": {"plain_s_per_token": t.plain, "speculative_s_per_token": t.speculative}
                                   for b, t in sorted(engines["automatic"].engine.speculator.measured.buckets.items())},
-            "costs": [vars(c) | {"ratio": c.ratio} for c in crossover.costs] if crossover is not None else []}
+            "costs": [vars(c) | {"ratio": c.ratio} for c in costs.values()]}
 
 
 def _speculate(target: GPT, drafter, prompt: list[int], max_new: int, k: int) -> tuple[list[int], SpeculativeStats]:

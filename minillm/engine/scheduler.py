@@ -114,8 +114,10 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.num_lookahead_slots = num_lookahead_slots
-        # the lookahead slots a decode asks for in a step of so many chunks (at most num_lookahead_slots)
-        self.lookahead: Callable[[Sequence, int], int] = lambda seq, batch: self.num_lookahead_slots
+        # the lookahead slots each of a step's decoding sequences asks for, given the step's number
+        # of chunks (asked once a step; each is capped at num_lookahead_slots)
+        self.lookahead: Callable[[int, list[Sequence]], list[int]] = \
+            lambda batch, seqs: [self.num_lookahead_slots] * len(seqs)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -202,12 +204,13 @@ class Scheduler:
         step of this size (a speculator turns drafting down as the batch grows, where it stops
         paying), cut to what the request can still use, and from free blocks only: no one is
         preempted for a draft."""
-        batch = len(out.chunks)
-        for chunk in out.chunks:
+        # a row whose logits are adjusted or reported at every position decodes token by token
+        drafting = [c for c in out.chunks if c.is_decode and not c.seq.params.token_by_token]
+        if not drafting:
+            return
+        for chunk, wanted in zip(drafting, self.lookahead(len(out.chunks), [c.seq for c in drafting])):
             seq = chunk.seq
-            if not chunk.is_decode or seq.params.token_by_token:  # its logits are adjusted or reported at every position
-                continue
-            room = min(self.lookahead(seq, batch), self.num_lookahead_slots,
+            room = min(wanted, self.num_lookahead_slots,
                        seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
             if room > 0 and self.allocator.can_allocate(seq, seq.num_tokens + room):
                 self.allocator.grow(seq, seq.num_tokens + room)

@@ -49,7 +49,7 @@ class EachSequence:
 class SequenceView:
     """What a :class:`ModelRunner` reads of a sequence, standing in for one: its tokens and
     its blocks. The draft model runs on views of the engine's sequences (their tokens with the
-    drafts so far appended); the crossover's timing on views of random ones."""
+    drafts so far appended); the speculative benchmark's timing on views of random ones."""
 
     request_id: object
     token_ids: list[int]

@@ -40,13 +40,9 @@ from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from minillm.engine.sequence import Sequence
 from minillm.model.gpt import GPT
 from minillm.speedups.speculative.batch_drafters import BatchDrafter, EachSequence, PagedDrafter
-from minillm.speedups.speculative.crossover import Crossover, MeasuredChoice, time_costs
+from minillm.speedups.speculative.crossover import MeasuredChoice
 from minillm.speedups.speculative.drafters import NgramDrafter
 from minillm.speedups.speculative.rule import Draft, SpeculativeStats, accept, accept_greedy
-
-
-# Before any verification, acceptance is taken to be this, as if seen over so many judged tokens.
-PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.7, 20
 
 
 class Speculator:
@@ -66,16 +62,12 @@ class Speculator:
         if disable_by_batch_size is not None and disable_by_batch_size < 1:
             raise ValueError(f"speculative_disable_by_batch_size must be >= 1, got {disable_by_batch_size}")
         self.make_drafter, self.k = make_drafter, num_speculative_tokens
-        # speculate in steps of at most so many sequences; None: where the crossover says it pays
+        # speculate in steps of at most so many sequences; None: where the engine's timed steps say it pays
         self.disable_by_batch_size = disable_by_batch_size
-        self.crossover: Crossover | None = None  # measured by start() when no limit is given
         self.measured = MeasuredChoice()  # the engine's own steps, timed, when no limit is given
-        self.steps = 0  # steps executed: a step's decision is made once, when the first decode asks
-        self._decision: tuple[int, bool] = (-1, False)
         self.drafter: BatchDrafter | None = None
         self.stats = SpeculativeStats()
         self.draft_lengths: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
-        self._limit: tuple[tuple[int, int], int] = ((-1, -1), 0)  # (accepted, rejections) -> batch limit
 
     @classmethod
     def with_draft_model(cls, draft: GPT, target: GPT, num_speculative_tokens: int,
@@ -100,50 +92,24 @@ class Speculator:
         """Speculate by prompt lookup: no draft model at all."""
         return cls(lambda pool: EachSequence(NgramDrafter(max_ngram)), num_speculative_tokens, disable_by_batch_size)
 
-    def start(self, runner: ModelRunner, max_batch: int) -> None:
-        """Make the drafter beside the engine's ``runner`` (a draft model's cache mirrors its
-        pool) and, unless a batch limit was given, time what speculation costs against batch
-        size through them (:func:`~minillm.speedups.speculative.crossover.time_costs`), doubling
-        the batch up to ``max_batch`` or until no acceptance could pay (the step is eager:
-        captured steps would be compiled for every size). Runs before any request."""
-        self.drafter = self.make_drafter(runner.pool)
-        if self.disable_by_batch_size is None:
-            batches = [2**i for i in range(max_batch.bit_length()) if 2**i <= max_batch]
-            model_drafter = self.drafter if isinstance(self.drafter, PagedDrafter) else None
-            costs = time_costs(runner, model_drafter, batches, self.k, stop_above=self.k + 1)
-            self.crossover = Crossover(costs) if costs else None
-
-    def acceptance(self) -> float:
-        """Per-position acceptance so far, starting from ``PRIOR_ACCEPTANCE`` as if it had been
-        seen over ``PRIOR_WEIGHT`` judged tokens, so that a few early rounds do not decide alone."""
-        judged = self.stats.accepted + self.stats.rejections
-        return (self.stats.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (judged + PRIOR_WEIGHT)
-
-    def batch_limit(self) -> int:
-        """The most sequences a step may have and still speculate: the given limit, or the
-        largest measured batch at which the acceptance so far pays for the round (0: none)."""
-        if self.disable_by_batch_size is not None:
-            return self.disable_by_batch_size
-        if self.crossover is None:  # the pool could not hold even one timing sequence: no evidence it pays
-            return 0
-        counts = (self.stats.accepted, self.stats.rejections)
-        if self._limit[0] != counts:
-            self._limit = (counts, self.crossover.limit(self.acceptance()))
-        return self._limit[1]
+    def start(self, pool: PagedKVPool) -> None:
+        """Make the drafter, beside the engine's KV ``pool`` (a draft model's cache mirrors it)."""
+        self.drafter = self.make_drafter(pool)
 
     def speculates(self, batch: int) -> bool:
         """Whether a step of ``batch`` sequences speculates: up to the given limit, or else as
-        the timed steps say (:class:`~minillm.speedups.speculative.crossover.MeasuredChoice`),
-        starting from the cost model's answer (:meth:`batch_limit`). Decided once a step."""
+        the engine's timed steps say (:class:`~minillm.speedups.speculative.crossover.MeasuredChoice`).
+        Asked once a step."""
         if self.disable_by_batch_size is not None:
             return batch <= self.disable_by_batch_size
-        if self._decision[0] != self.steps:
-            self._decision = (self.steps, self.measured.choose(batch, favoured=batch <= self.batch_limit()))
-        return self._decision[1]
+        return self.measured.choose(batch)
 
-    def lookahead(self, seq: Sequence, batch: int) -> int:
-        """Draft slots for ``seq`` in a step of ``batch`` sequences (the scheduler's question)."""
-        return self.draft_lengths.get(seq, self.k) if self.speculates(batch) else 0
+    def lookahead(self, batch: int, seqs: list[Sequence]) -> list[int]:
+        """Draft slots for each of a step's decoding ``seqs``, in a step of ``batch`` sequences
+        (the scheduler's question)."""
+        if not self.speculates(batch):
+            return [0] * len(seqs)
+        return [self.draft_lengths.get(seq, self.k) for seq in seqs]
 
     def propose(self, chunks: list[ScheduledChunk]) -> list[Draft]:
         """A draft for each chunk, into the lookahead slots the scheduler reserved for it."""
@@ -184,11 +150,10 @@ class SpeculativeRunner:
         start = time.perf_counter()
         speculating = [c for c in output.chunks if c.num_lookahead]
         outputs = self.speculate(output, speculating) if speculating else self.runner.execute(output)
-        spec, chunks = self.speculator, output.chunks
-        spec.steps += 1
+        chunks = output.chunks
         if all(c.is_decode for c in chunks):
             tokens = sum(len(o.tokens) for o in outputs) / len(chunks)
-            spec.measured.record(len(chunks), bool(speculating), time.perf_counter() - start, tokens)
+            self.speculator.measured.record(len(chunks), bool(speculating), time.perf_counter() - start, tokens)
         return outputs
 
     def speculate(self, output: SchedulerOutput, speculating: list[ScheduledChunk]) -> list[ChunkOutput]:
@@ -243,7 +208,7 @@ class SpeculativeEngine(LLMEngine):
                  speedups: Speedups | None = None, *, speculator: Speculator) -> None:
         super().__init__(model, config, tokenizer, speedups)
         self.speculator = speculator
-        speculator.start(self.runner, self.config.max_num_seqs)
+        speculator.start(self.pool)
         self.scheduler.num_lookahead_slots = speculator.k
         self.scheduler.lookahead = speculator.lookahead
         self.overlap = False  # a speculative step's tokens decide the next step's length
