@@ -282,8 +282,8 @@ def batch_sweep(target: GPT, draft: GPT, batches: list[int], *, k: int = 4, prom
                "speculative": LLM(target, max_num_seqs=most, speculative_draft=draft, num_speculative_tokens=k,
                                   speculative_disable_by_batch_size=most),
                "automatic": LLM(target, max_num_seqs=most, speculative_draft=draft, num_speculative_tokens=k)}
-    spec = engines["speculative"].engine  # nothing served yet: its pool is free for timing
-    costs = {c.batch: c for c in time_costs(spec.runner.runner, spec.speculator.drafter, batches, k, repeats=10)}
+    fresh = engines["speculative"].engine  # nothing served yet: its pool is free for timing
+    costs = {c.batch: c for c in time_costs(fresh.runner.runner, fresh.speculator.drafter, batches, k, repeats=10)}
     rows = []
     for b in batches:
         times: dict[str, list[float]] = {name: [] for name in engines}
