@@ -1,5 +1,9 @@
 """``python -m server``: load a model, start the engine loop, serve until SIGINT or SIGTERM.
 
+Under ``torchrun`` (a split model across hosts) every rank runs the same command: rank 0
+serves as below; every other rank serves rank 0 its part of the model, and exits when rank 0
+stops (see :mod:`minillm.distributed.rendezvous`).
+
 Shutdown is graceful, in this order: the signal sets an event; the server stops listening
 and answers 503 to new requests on open connections, and at once to requests still queued
 in the engine (they would only wait out the grace for a slot); requests already running get
@@ -17,6 +21,7 @@ from typing import Sequence
 from aiohttp import web
 
 from minillm.cli import UsageError, run
+from minillm.distributed.rendezvous import PeerFailed, is_worker_rank, telling_the_launch
 from minillm.engine.build import build_engine, check_device
 from minillm.engine.config import EngineOptionError
 from minillm.engine.llm_engine import LLMEngine
@@ -37,7 +42,9 @@ def build(config: ServerConfig) -> LLMEngine:
     is a ``UsageError`` naming the flag."""
     try:
         device = check_device(config.device) if config.device else default_device()
-        model = config.checkpoint or load_or_train("cpu", device)
+        # A worker rank of a torchrun launch takes its part of the weights from rank 0, serves
+        # it inside build_engine and ends there: it loads (or trains) nothing.
+        model = None if is_worker_rank() else config.checkpoint or load_or_train("cpu", device)
         return build_engine(model, config.engine_config(), device=device, dtype=config.dtype,
                             quantize=config.quantize, speculative_draft=config.speculative_draft,
                             num_speculative_tokens=config.num_speculative_tokens,
@@ -45,7 +52,7 @@ def build(config: ServerConfig) -> LLMEngine:
                             tokenizer=get_tokenizer())
     except EngineOptionError as err:
         raise flag_error(err) from None
-    except ValueError as err:
+    except (ValueError, PeerFailed) as err:  # PeerFailed: another rank of a torchrun launch says why
         raise UsageError(str(err)) from None
 
 
@@ -69,6 +76,13 @@ def memory_line(engine: LLMEngine) -> str:
     return describe_cache(pool.nbytes, pool.num_blocks, pool.block_size, engine.model.cfg.context_length)
 
 
+def ranks_line(engine: LLMEngine) -> str:
+    """The banner's line about a split model's ranks: where each one runs (empty for a model in
+    this one process)."""
+    workers = getattr(engine.model, "workers", None)
+    return "" if workers is None else f"split over {len(workers.conns) + 1} processes: {workers.describe()}"
+
+
 def banner(config: ServerConfig, port: int, *notes: str) -> str:
     """What to paste to try the server: its URL, a curl command and an ``openai`` snippet,
     after ``notes`` (the decode and memory lines), one a line.
@@ -83,7 +97,7 @@ def banner(config: ServerConfig, port: int, *notes: str) -> str:
                     "the dashboard asks for it as a password)\n")
     return f"""
 minillm is serving {name!r} at {url}   (Ctrl+C to stop)
-{key_note}{"".join(f"  {note}{chr(10)}" for note in notes if note)}
+{key_note}{"".join(f"  {note}{chr(10)}" for note in notes)}
   curl {url}/v1/completions -H "Content-Type: application/json"{curl_auth} \\
     -d '{{"model": "{name}", "prompt": "Once upon a time", "max_tokens": 40, "stream": true}}'
 
@@ -112,18 +126,19 @@ async def _serve_until_signalled(app: web.Application, config: ServerConfig, not
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config = parse_args(argv)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = build(config)
+    with telling_the_launch():  # under torchrun, the other ranks learn why this one could not start
+        config = parse_args(argv)
+        logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        engine = build(config)
     try:
-        notes = [prepare_decode(engine), memory_line(engine)]
+        notes = [note for note in (prepare_decode(engine), memory_line(engine), ranks_line(engine)) if note]
         for note in notes:
             log.info(note)
         crashed = asyncio.run(_serve_until_signalled(create_app(engine, config), config, notes))
     finally:
         engine.close()  # a tensor-parallel model's workers
     if crashed:  # a live process answering 500 for ever helps nobody: exit, and let a supervisor restart it
-        log.error("the engine loop crashed (see the traceback above); exiting")
+        log.error("the engine loop stopped (see above); exiting")
         return 1
     return 0
 

@@ -13,9 +13,10 @@ Each of a request's ``n`` choices is one engine request whose id is a :class:`Ch
 output finds its request and its place in the answer without any id being parsed.
 
 A failed step fails only the requests in its batch, and a request that cannot be admitted fails
-alone; the loop goes on with everyone else. Only a bug in the loop itself ends it: every
-request then gets an error and ``on_crash`` runs (the server exits non-zero, for a supervisor
-to restart it). A step that never returns shows in :meth:`AsyncEngine.stalled_for`, for
+alone; the loop goes on with everyone else. Only a bug in the loop itself, or an engine that
+can no longer step at all (``EngineDead``: a split model's worker is gone, noticed within a
+second even while idle), ends it: every request then gets an error and ``on_crash`` runs (the
+server exits non-zero, for a supervisor to restart it). A step that never returns shows in :meth:`AsyncEngine.stalled_for`, for
 ``/health``.
 
 Every timestamp is ``time.monotonic()``: the handler stamps a request's arrival, the engine its
@@ -34,10 +35,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from minillm.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
+from minillm.engine.llm_engine import EngineDead, EngineStats, LLMEngine, RequestOutput
 from minillm.decoding.sampling import SamplingParams
 
 log = logging.getLogger("server.engine")
+IDLE_CHECK_S = 1.0  # how often an idle engine thread asks the engine whether it can still step
 
 
 class QueueFull(Exception):
@@ -255,8 +257,11 @@ class AsyncEngine:
                     self._step()
                 self.publish()
             self.publish()
-        except BaseException:  # a bug in the loop itself: report it, fail every request
-            log.exception("the engine loop crashed")
+        except BaseException as err:  # a bug in the loop itself, or a dead engine: report it, fail every request
+            if isinstance(err, EngineDead):
+                log.error("the engine cannot go on: %s", err)
+            else:
+                log.exception("the engine loop crashed")
             self._crashed = True
             self._loop.call_soon_threadsafe(self._fail_everyone)
 
@@ -266,9 +271,12 @@ class AsyncEngine:
         block = not self.engine.has_unfinished
         while True:
             try:
-                message = self._inbox.get(block=block)
+                message = self._inbox.get(block=block, timeout=IDLE_CHECK_S if block else None)
             except queue.Empty:
-                return True
+                if not block:
+                    return True
+                self.engine.check_alive()  # idle: a split model's lost worker ends the loop now, not at the next request
+                continue
             block = False
             if message is _STOP:
                 self._shut_down(_Shutdown())
@@ -318,6 +326,8 @@ class AsyncEngine:
         self._step_started, previous = self.clock(), self.engine.last_step
         try:
             outputs = self.engine.step()
+        except EngineDead:  # no later step can succeed either: the loop ends, and the server exits
+            raise
         except Exception as err:
             batch = self.engine.last_step
             self._fail_batch(err, None if batch is previous else [chunk.seq.request_id for chunk in batch.chunks])

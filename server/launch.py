@@ -73,11 +73,22 @@ def stop_all(servers: Sequence[ServerProcess], grace: float = 30) -> list[int]:
     return [server.stop(grace) for server in servers]
 
 
-def start_server(checkpoint: str | Path, *flags: str, timeout: float = 300, env: dict | None = None) -> ServerProcess:
+def torchrun(node_rank: int, nnodes: int, endpoint: str) -> list[str]:
+    """The command that launches one process on host ``node_rank`` of ``nnodes``, all meeting
+    at ``endpoint`` (``HOST:PORT`` of host 0): ``torchrun``, as ``python -m
+    torch.distributed.run`` so that it is this Python's. Put ``-m server ...`` after it."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", "1",
+            "--node-rank", str(node_rank), "--rdzv-endpoint", endpoint]
+
+
+def start_server(checkpoint: str | Path, *flags: str, timeout: float = 300, env: dict | None = None,
+                 launcher: Sequence[str] = (sys.executable,)) -> ServerProcess:
     """Start the server on ``checkpoint`` with extra ``flags`` on a free port; return once it
     answers ``/health``. Raises ``RuntimeError`` with the server's output if it exits or does
-    not come up within ``timeout`` seconds."""
-    command = [sys.executable, "-m", "server", "--checkpoint", str(checkpoint), "--port", "0", *flags]
+    not come up within ``timeout`` seconds. ``launcher`` runs ``-m server ...``: this Python,
+    or host 0's :func:`torchrun` for a model split across hosts (the other hosts run the
+    same command with their own ``node_rank``)."""
+    command = [*launcher, "-m", "server", "--checkpoint", str(checkpoint), "--port", "0", *flags]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     log: list[str] = []
     lines: queue.Queue[str | None] = queue.Queue()

@@ -161,8 +161,8 @@ def test_the_engine_with_two_ranks_generates_what_one_process_does(model):
         volume = allreduce_volume(TINY, 2)  # the counted all-reduces carry what the formula says
         assert tp.local.allreduce.calls == volume.allreduces_per_layer * TINY.n_layers
         assert tp.local.allreduce.bytes == tp.local.allreduce.calls * x.shape[1] * volume.message_bytes
-        workers = tp.workers.processes
-    assert not any(w.is_alive() for w in workers)  # closing the LLM stopped them
+        workers = [w.process for w in tp.workers.spawned]
+    assert all(w.poll() is not None for w in workers)  # closing the LLM stopped them
 
 
 def test_speculation_with_two_ranks_generates_what_one_process_does(model):
@@ -199,7 +199,7 @@ def test_workers_exit_when_rank_0_dies():
         "from minillm.model.gpt import GPT\n"
         "from minillm.distributed.tensor_workers import TensorParallelGPT\n"
         "tp = TensorParallelGPT(GPT(get_preset('tiny')), 2)\n"
-        "print(tp.workers.processes[0].pid, flush=True)\n"
+        "print(tp.workers.spawned[0].process.pid, flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

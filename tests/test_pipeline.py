@@ -138,8 +138,8 @@ def test_two_stages_generate_what_one_process_does_even_when_preempting(model, m
             assert torch.equal(pp(x), model(x))
         sent = sum(s.bytes_sent for s in pp.stage_stats())
         assert sent == x.shape[1] * pipeline_volume(TINY, 2).sent_per_token
-        workers = pp.workers.processes
-    assert not any(w.is_alive() for w in workers)  # closing the LLM stopped them
+        workers = [w.process for w in pp.workers.spawned]
+    assert all(w.poll() is not None for w in workers)  # closing the LLM stopped them
 
 
 def test_micro_batches_are_in_flight_at_once_and_an_abort_loses_nothing(model):
@@ -182,7 +182,7 @@ def test_a_stage_exits_when_rank_0_dies_mid_forward():
         "from minillm.model.gpt import GPT\n"
         "from minillm.distributed.pipeline_workers import PipelineParallelGPT\n"
         "pp = PipelineParallelGPT(GPT(get_preset('tiny')), 2)\n"
-        "print(pp.workers.processes[0].pid, flush=True)\n"
+        "print(pp.workers.spawned[0].process.pid, flush=True)\n"
         "with torch.inference_mode():\n"
         "    pp.launch(torch.zeros(1, 4, dtype=torch.long))  # stage 1 will find no one to send to\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"

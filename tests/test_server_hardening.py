@@ -22,7 +22,7 @@ from test_server import GREEDY, metric, model, run, serving, settled, sse_events
 
 from minillm.engine.config import EngineConfig
 
-from minillm.engine.llm_engine import LLMEngine
+from minillm.engine.llm_engine import EngineDead, LLMEngine
 from minillm.model.gpt import GPT
 from minillm.data.tokenizer import get_tokenizer
 from server.app import STATE, create_app
@@ -157,6 +157,29 @@ def test_a_crashed_engine_loop_ends_the_server_with_a_non_zero_status(model: GPT
         assert entry.main(["--port", "0"]) == 1
     finally:
         watchdog.cancel()
+
+
+def test_an_engine_that_cannot_step_ends_the_loop_even_while_idle(model: GPT, monkeypatch) -> None:
+    """A split model's lost worker (EngineDead) is not one batch's failure: the next step would
+    fail the same way, so the loop ends (the server then exits). A step that raises it ends the
+    running requests with an error; an idle loop finds it by asking ``check_alive``."""
+    async def main() -> None:
+        async with serving(model) as client:
+            loop_engine = state(client).engine
+            monkeypatch.setattr(loop_engine.engine, "step", lambda: (_ for _ in ()).throw(EngineDead("rank 1 is gone")))
+            response = await client.post("/v1/completions", json=COMPLETION)
+            assert response.status == 500 and "stopped" in (await response.json())["error"]["message"]
+            assert not loop_engine.alive
+        async with serving(model) as client:
+            loop_engine = state(client).engine
+            monkeypatch.setattr(loop_engine.engine, "check_alive", lambda: (_ for _ in ()).throw(EngineDead("gone")))
+            for _ in range(100):  # within about a second of idling
+                if not loop_engine.alive:
+                    break
+                await asyncio.sleep(0.05)
+            assert not loop_engine.alive
+
+    run(main())
 
 
 def test_the_stall_timeout_flag_is_checked() -> None:

@@ -87,7 +87,7 @@ class PipelineParallelGPT(ParallelModel):
     :meth:`stage_stats` reads every stage's counters.
     """
 
-    def __init__(self, model: GPT, size: int, *, threads: int | None = None) -> None:
+    def __init__(self, model: GPT, size: int, *, threads: int | None = None, settings: dict | None = None) -> None:
         check_pipeline_parallel_size(model.cfg, size)
         option = "pipeline_parallel_size (--pipeline-parallel-size)"
         check_splittable(model, option)
@@ -97,7 +97,7 @@ class PipelineParallelGPT(ParallelModel):
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         states = [stage_state_dict(state, layers, rank, size) for rank, layers in enumerate(self.layers)]
         parts = [partial(PipelineStage, model.cfg, layers) for layers in self.layers]
-        self._start(model, StageFollower, parts, states, "pipeline stage", option, threads)
+        self._start(model, StageFollower, parts, states, "pipeline stage", option, threads, settings)
         self._in_flight: list[PendingForward] = []
 
     def receive(self, pending: PendingForward) -> torch.Tensor:
@@ -115,8 +115,7 @@ class PipelineParallelGPT(ParallelModel):
             link.wait_seconds += time.perf_counter() - start
             return link.recv((*pending.shape, self.full_cfg.d_model), self.dtype, self.device, self.num_stages - 1)
         except RuntimeError as err:  # a peer's socket closed under us
-            exits = ", ".join(f"{p.name} exit {p.exitcode}" for p in self.workers.processes)
-            raise RuntimeError(f"a pipeline stage has exited: {exits} ({err})") from None
+            raise self.workers.lost(err) from None
 
     def launch(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                cache: KVCache | None = None) -> PendingForward:
@@ -131,7 +130,10 @@ class PipelineParallelGPT(ParallelModel):
         layout = self.layout(cache)
         out = self.local.run(tokens, positions, cache)
         self.workers.send(("forward", (tuple(tokens.shape), layout)))
-        sending = None if self.num_stages == 1 else self.local.link.send(out, 1)
+        try:
+            sending = None if self.num_stages == 1 else self.local.link.send(out, 1)
+        except RuntimeError as err:
+            raise self.workers.lost(err) from None
         self._in_flight.append(PendingForward(self, tuple(tokens.shape), out, sending))
         return self._in_flight[-1]
 
@@ -143,7 +145,7 @@ class PipelineParallelGPT(ParallelModel):
     def stage_stats(self) -> list[StageStats]:
         """Every stage's counters, rank 0 first. Rank 0's wait is its time in :meth:`wait`."""
         self.workers.send(("stats", None))
-        return [self.local.stats()] + [conn.recv() for conn in self.workers.conns]
+        return [self.local.stats()] + self.workers.receive_all()
 
     def reset_stats(self) -> None:
         self.local.reset()

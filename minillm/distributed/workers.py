@@ -1,41 +1,66 @@
-"""Rank 0 and its worker processes: the one bootstrap that tensor and pipeline parallelism share.
+"""Rank 0 and its workers: the one bootstrap that tensor and pipeline parallelism share.
 
 Both split a model over processes the same way (vLLM's design in miniature). The process that
 runs the engine is rank 0: the scheduler, sampling and detokenizing happen there and only
-there. Each other rank is a worker process holding its own part of the weights. For every
-forward, rank 0 sends the call down a pipe to each worker: the token ids, the positions and
-the cache's *layout* (slot mapping, block tables and masks, never keys or values). The workers
-rebuild the same cache view over their own KV pool, which holds only their part, and run
-their part of the forward; what passes between the ranks inside it (all-reduces, or hidden
-states from stage to stage) is the caller's business.
+there. Each other rank is a worker holding its own part of the weights, in a process rank 0
+spawned on this machine or one torchrun launched on this host or another
+(:mod:`~minillm.distributed.rendezvous`); either way it runs :func:`follow`. For every
+forward, rank 0 sends the call over its connection to each worker: the token ids, the
+positions and the cache's *layout* (slot mapping, block tables and masks, never keys or
+values). The workers rebuild the same cache view over their own KV pool, which holds only
+their part, and run their part of the forward; what passes between the ranks inside it
+(all-reduces, or hidden states from stage to stage) goes over the process group, and is the
+caller's business.
 
-The step inputs travel over a ``multiprocessing`` pipe rather than a collective: a worker can
-then wait for the next step for as long as a server sits idle (a collective would time out),
-and it sees the end of the pipe, and exits, the moment rank 0 closes it or dies.
+A worker that fails says so on its connection before it exits; rank 0 reads those last words
+whenever talking to the workers fails, or finds something to read between steps, and raises
+:class:`WorkerLost` naming the rank.
 """
 
 from __future__ import annotations
 
 import datetime
 import io
+import os
 import pickle
 import signal
+import socket
+import subprocess
+import sys
+import time
 import weakref
 from functools import partial
+from multiprocessing.connection import Connection
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from minillm.decoding.generate import ContiguousKVCache
+from minillm.distributed.rendezvous import (
+    POLL_S,
+    PeerFailed,
+    RankZeroListener,
+    SpawnedWorker,
+    connect_to_rank_0,
+    describe,
+    launch_store,
+    launched,
+    post_failure,
+    posted_failure,
+    reachable_address,
+    spawn_workers,
+)
+from minillm.engine.config import EngineOptionError
 from minillm.engine.kv_cache import PagedAttention, PagedKVPool
+from minillm.engine.llm_engine import EngineDead
 from minillm.model.config import ModelConfig
 from minillm.model.gpt import GPT, KVCache
 
-READY_TIMEOUT_S = 120.0  # spawning a process and importing torch takes seconds on a busy CPU
-JOIN_TIMEOUT = datetime.timedelta(seconds=300)  # for every rank to reach the process group
-_WORKER_DEVICE = torch.device("cpu")  # where unpickled step tensors go: set once per worker, in _worker_main
+READY_TIMEOUT_S = 120.0  # starting a process and importing torch takes seconds on a busy CPU
+JOIN_TIMEOUT = datetime.timedelta(seconds=300)  # for every rank to reach the process group, and each collective
+LOST_WAIT_S = 5.0  # how long rank 0 waits for a failed worker's last words
+_WORKER_DEVICE = torch.device("cpu")  # where unpickled step tensors go: set once per worker, in follow
 
 
 # ----------------------------------------------------------------------------- messages
@@ -83,7 +108,7 @@ class WorkerCaches:
 # ----------------------------------------------------------------------------- a worker
 
 
-def _group(backend: str, rank: int, size: int, store: dist.TCPStore) -> dist.ProcessGroup:
+def _group(backend: str, rank: int, size: int, store: dist.Store) -> dist.ProcessGroup:
     """A process group of its own (not the process-wide default one ``torchrun`` scripts use),
     so a notebook can open and close several; returns when every rank has joined."""
     if backend == "nccl":
@@ -101,7 +126,7 @@ def load_part(part: torch.nn.Module, state: dict, impl: str, device: torch.devic
 class Follower:
     """A worker's part of the model, ``part(rank, size, group)`` holding ``state``, and its
     answers to rank 0: a message ``(kind, payload)`` calls the method named ``kind`` with
-    ``payload``, and what it returns, if not None, goes back up the pipe. Every follower
+    ``payload``, and what it returns, if not None, goes back to rank 0. Every follower
     switches attention (``"attention"``); each kind of split adds ``forward`` and whatever
     else it needs."""
 
@@ -114,79 +139,185 @@ class Follower:
         self.module.set_attention(impl)
 
 
-def _worker_main(rank: int, size: int, port: int, backend: str, device: str, threads: int,
-                 build: Callable[..., Follower], conn) -> None:
-    """A worker's whole life: join the group, build its part, then answer rank 0 until the
-    pipe says stop or closes. An exception ends the process, which closes its sockets, so
-    rank 0's next collective or receive fails rather than waits."""
+def _send(conn: Connection, message: object) -> None:
+    """Plain pickle: ``Connection.send`` would use torch's shared-memory reductions, which do
+    not cross hosts."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _receive(conn: Connection) -> object:
+    return pickle.loads(conn.recv_bytes())
+
+
+def follow(settings: Callable[[], dict | None] = lambda: None) -> int:
+    """A worker rank's whole life, in a process a launch started (see
+    :mod:`~minillm.distributed.rendezvous`): connect to rank 0, show it ``settings()`` (the
+    options this rank was given, which must be rank 0's), receive the part of the model to
+    build, join the process group, then answer rank 0 until it says stop (returns 0) or goes
+    away (returns 1). An error on the way is this rank's last word to rank 0 (or, before it
+    connected, a note in the store) and is raised."""
     global _WORKER_DEVICE
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole process group: rank 0 decides
-    _WORKER_DEVICE = torch.device(device)
-    if _WORKER_DEVICE.type == "cuda":
-        torch.cuda.set_device(_WORKER_DEVICE)
-    torch.set_num_threads(threads)
-    store = dist.TCPStore("127.0.0.1", port, size, False, timeout=JOIN_TIMEOUT)  # a client of rank 0's store
-    follower = build(rank, size, _group(backend, rank, size, store), _WORKER_DEVICE)
-    conn.send("ready")
+    rank = launched()
+    if rank is None or rank.rank == 0:
+        raise RuntimeError("follow() runs in a worker rank of a launch (RANK > 0 under torchrun)")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches every process of a terminal: rank 0 decides
+    store = launch_store()
+    try:
+        mine = settings()
+        conn = connect_to_rank_0(store)
+    except BaseException as err:
+        post_failure(store, rank.rank, describe(err))
+        raise
+    with conn:
+        try:
+            _send(conn, ("hello", rank.rank, f"{socket.gethostname()} pid {os.getpid()}", mine))
+            kind, *rest = _receive(conn)
+            if kind == "refused":
+                print(f"rank 0 refused rank {rank.rank}: {rest[0]}", file=sys.stderr)
+                return 2
+            build, backend, threads = rest
+            _WORKER_DEVICE = torch.device(f"cuda:{rank.local_rank}" if backend == "nccl" else "cpu")
+            if _WORKER_DEVICE.type == "cuda":
+                torch.cuda.set_device(_WORKER_DEVICE)
+            if threads:
+                torch.set_num_threads(threads)
+            _send(conn, ("joining",))
+            group = _group(backend, rank.rank, rank.world_size, dist.PrefixStore("group", store))
+            follower = build(rank.rank, rank.world_size, group, _WORKER_DEVICE)
+            _send(conn, ("ready",))
+            return _answer(conn, follower)
+        except BaseException as err:
+            try:
+                _send(conn, ("error", describe(err)))
+            except OSError:  # rank 0 is gone already
+                pass
+            raise
+
+
+def _answer(conn: Connection, follower: Follower) -> int:
+    """Answer rank 0's messages until it says stop (0) or its end of the connection closes (1)."""
     with torch.inference_mode():
         while True:
             try:
-                kind, payload = pickle.loads(conn.recv_bytes())
-            except EOFError:  # rank 0 closed the pipe or died
-                return
+                data = conn.recv_bytes()
+            except (EOFError, OSError):
+                print("rank 0 went away without saying stop; this worker exits", file=sys.stderr)
+                return 1
+            kind, payload = pickle.loads(data)
             if kind == "stop":
-                return
+                return 0
             reply = getattr(follower, kind)(payload)
             if reply is not None:
-                conn.send(reply)
+                _send(conn, reply)
 
 
 # ----------------------------------------------------------------------------- rank 0
 
 
-class WorkerProcesses:
+class WorkerLost(PeerFailed, EngineDead):
+    """A worker rank failed, went away or never came: the split model cannot take another step."""
+
+
+class Workers:
     """Rank 0's side of its workers: ``builders[r - 1](r, size, group, device)`` builds rank
-    ``r``'s :class:`Follower` in a new process, on ``device``'s type (``cuda:r`` with NCCL, or
-    the CPU with gloo and ``threads`` threads, by default this process's share). Returns once
-    every worker is ready, with ``group`` the process group they share with rank 0 (None when
-    there are no workers). A finalizer stops the workers on :meth:`close`, on garbage
-    collection or at this process's exit. ``role`` names the workers ("pipeline stage"),
-    ``option`` the setting that asked for them."""
+    ``r``'s :class:`Follower` in that rank's process. Returns once every worker is ready, with
+    ``group`` the process group they share with rank 0 (None when there are no workers).
+
+    Launched by torchrun (:func:`~minillm.distributed.rendezvous.launched`), the workers are
+    the launch's other ranks, on this host or others, and ``settings`` (this rank's options)
+    must equal each one's, or the launch is refused naming the first that differs. Otherwise
+    they are processes spawned here: on ``cuda:r`` with NCCL, or on the CPU with gloo and
+    ``threads`` threads (by default this process's share). While it waits, rank 0 watches
+    for a worker that fails, and says which and why. A finalizer stops the workers on
+    :meth:`close`, on garbage collection or at this process's exit. ``role`` names the
+    workers ("pipeline stage"), ``option`` the setting that asked for them."""
 
     def __init__(self, role: str, option: str, device: torch.device, builders: list[Callable[..., Follower]],
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, settings: dict | None = None) -> None:
         size = len(builders) + 1
-        if device.type == "cuda" and torch.cuda.device_count() < size:
-            raise ValueError(f"{option} {size} needs {size} GPUs; this machine has {torch.cuda.device_count()}")
-        self.role = role
-        self.conns: list = []
-        self.processes: list = []
-        self._finalizer = weakref.finalize(self, _stop_workers, self.conns, self.processes)
+        self.role, self.option = role, option
+        self.conns: list[Connection] = []
+        self.peers: list[str] = []  # each worker's host and process id, for messages
+        self.spawned: list[SpawnedWorker] = []
+        self._finalizer = weakref.finalize(self, _stop_workers, self.conns, self.spawned)
         self.group: dist.ProcessGroup | None = None
         if size == 1:
             return
         backend = "nccl" if device.type == "cuda" else "gloo"
-        threads = threads or max(1, torch.get_num_threads() // size)
-        ctx = mp.get_context("spawn")  # not forked: CUDA and threads survive
+        launch = launched()
+        if launch is None and backend == "nccl" and torch.cuda.device_count() < size:
+            raise ValueError(f"{option} {size} needs {size} GPUs; this machine has {torch.cuda.device_count()}")
+        if launch is not None and launch.world_size != size:
+            raise ValueError(f"{option} {size} needs {size} ranks; torchrun launched {launch.world_size} "
+                             "(--nnodes x --nproc-per-node)")
         try:
-            self._store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
-            for rank, build in enumerate(builders, start=1):
-                ours, theirs = ctx.Pipe()
-                args = (rank, size, self._store.port, backend, f"cuda:{rank}" if backend == "nccl" else "cpu",
-                        threads, build, theirs)
-                process = ctx.Process(target=_worker_main, args=args, daemon=True,  # daemon: ends with us
-                                      name=f"minillm-{role.replace(' ', '-')}-{rank}")
-                process.start()
-                theirs.close()  # ours is now the only other end: the worker sees EOF if this process dies
-                self.conns.append(ours)
-                self.processes.append(process)
-            self.group = _group(backend, 0, size, self._store)
-            for conn, process in zip(self.conns, self.processes):
-                if not conn.poll(READY_TIMEOUT_S) or conn.recv() != "ready":
-                    raise RuntimeError(f"{role} {process.name} did not start (exit {process.exitcode})")
+            if launch is None:
+                store, self.spawned[:] = spawn_workers(size)
+                host, threads = "127.0.0.1", threads or max(1, torch.get_num_threads() // size)
+            else:
+                store, host, threads = launch_store(), reachable_address(os.environ["MASTER_ADDR"]), None
+            self._meet(RankZeroListener(store, host), store, size, settings)
+            for conn, build in zip(self.conns, builders):
+                _send(conn, ("build", build, backend, threads))
+            self._expect("joining")
+            self.group = _group(backend, 0, size, dist.PrefixStore("group", store))
+            self._expect("ready")
         except BaseException:
             self.close()
             raise
+
+    def _meet(self, listener: RankZeroListener, store: dist.Store, size: int, settings: dict | None) -> None:
+        """Accept every worker's connection, in rank order in ``conns``, and check its settings."""
+        hellos: dict[int, tuple[Connection, str, dict | None]] = {}
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        try:
+            while len(hellos) < size - 1:
+                conn = listener.accept(POLL_S)
+                if isinstance(conn, Connection) and conn.poll(READY_TIMEOUT_S):
+                    _, rank, peer, theirs = _receive(conn)
+                    hellos[rank] = (conn, peer, theirs)
+                for rank in set(range(1, size)) - set(hellos):
+                    self._fail_if_starting_failed(store, rank)
+                if time.monotonic() > deadline:
+                    missing = ", ".join(str(r) for r in sorted(set(range(1, size)) - set(hellos)))
+                    raise WorkerLost(f"{self.role} rank {missing} did not connect within {READY_TIMEOUT_S:.0f} s")
+        finally:
+            listener.close()
+            for rank in sorted(hellos):
+                self.conns.append(hellos[rank][0])
+                self.peers.append(f"rank {rank} ({hellos[rank][1]})")
+        for rank, (conn, peer, theirs) in sorted(hellos.items()):
+            difference = _first_difference(settings, theirs)
+            if difference is not None:
+                name, ours, its = difference
+                message = f"{name} differs between ranks: rank 0 has {ours!r}, rank {rank} has {its!r}"
+                for other in self.conns:
+                    _send(other, ("refused", message))
+                raise EngineOptionError(name, message)
+
+    def _fail_if_starting_failed(self, store: dist.Store, rank: int) -> None:
+        """Raise if ``rank`` posted a failure, or (spawned here) its process has exited."""
+        failure = posted_failure(store, rank)
+        if failure is not None:
+            raise WorkerLost(f"{self.role} rank {rank} failed while starting: {failure}")
+        spawned = self.spawned[rank - 1] if self.spawned else None
+        if spawned is not None and spawned.process.poll() is not None:
+            raise WorkerLost(f"{self.role} rank {rank} stopped while starting: it {spawned.last_words()}")
+
+    def _expect(self, kind: str) -> None:
+        """Wait for every worker to send ``kind``; a worker that says anything else or goes
+        away instead is a :class:`WorkerLost` naming it."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for index, conn in enumerate(self.conns):
+            while not conn.poll(POLL_S):
+                if time.monotonic() > deadline or (self.spawned and self.spawned[index].process.poll() is not None):
+                    raise self.lost(TimeoutError(f"no {kind!r} within {READY_TIMEOUT_S:.0f} s"))
+            try:
+                message = _receive(conn)
+            except (EOFError, OSError) as err:
+                raise self.lost(err) from None
+            if message != (kind,):
+                raise self.lost(RuntimeError(f"expected {kind!r}, got {message[0]!r}"), {index: message})
 
     def send(self, message: tuple) -> None:
         """The same message to every worker, in order."""
@@ -195,32 +326,94 @@ class WorkerProcesses:
         buffer = io.BytesIO()
         _StepPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
         data = buffer.getvalue()
-        for conn, process in zip(self.conns, self.processes):
+        for conn in self.conns:
             try:
                 conn.send_bytes(data)
-            except OSError:
-                process.join(timeout=1)
-                raise RuntimeError(f"{self.role} {process.name} has exited (exit {process.exitcode})") from None
+            except OSError as err:
+                raise self.lost(err) from None
+
+    def receive_all(self) -> list:
+        """One reply from every worker, in rank order."""
+        try:
+            return [_receive(conn) for conn in self.conns]
+        except (EOFError, OSError) as err:
+            raise self.lost(err) from None
+
+    def check(self) -> None:
+        """Raise :class:`WorkerLost` if a worker has gone: between steps, a worker says nothing
+        unless asked, so anything to read on its connection is its last word or its end."""
+        if any(conn.poll(0) for conn in self.conns) or any(w.process.poll() is not None for w in self.spawned):
+            raise self.lost(RuntimeError("a worker spoke between steps"))
+
+    def lost(self, cause: BaseException, heard: dict[int, tuple] | None = None) -> WorkerLost:
+        """What to raise when talking to the workers failed (``cause``): which ranks are gone
+        and why, in their own words where they left any. Waits up to a few seconds for the
+        words to arrive: a worker whose peer vanished needs a moment to notice."""
+        words: dict[int, str] = {i: _last_word(m) for i, m in (heard or {}).items()}
+        deadline = time.monotonic() + LOST_WAIT_S
+        settle = None
+        while time.monotonic() < deadline and (settle is None or time.monotonic() < settle):
+            for index, conn in enumerate(self.conns):
+                if index not in words:
+                    try:
+                        if conn.poll(0):
+                            words[index] = _last_word(_receive(conn))
+                    except (EOFError, OSError):
+                        words[index] = self._silent_end(index)
+            if words and settle is None:
+                settle = time.monotonic() + 0.5  # the others' words may be on their way
+            time.sleep(0.02)
+        if not words:
+            return WorkerLost(f"the {self.role}s stopped answering ({describe(cause)}); none said why")
+        return WorkerLost("; ".join(f"{self.role} {self.peers[i]} {words[i]}" for i in sorted(words)))
+
+    def describe(self) -> str:
+        """Where every rank runs, for a banner: ``rank 0 (host pid 12) + pipeline stage rank 1 (...)``."""
+        here = f"rank 0 ({socket.gethostname()} pid {os.getpid()})"
+        return " + ".join([here] + [f"{self.role} {peer}" for peer in self.peers])
+
+    def _silent_end(self, index: int) -> str:
+        if self.spawned:
+            return self.spawned[index].last_words()
+        return "closed its connection without a word (killed, or its host went down)"
 
     def close(self) -> None:
-        """Stop the workers and wait for them to exit (idempotent)."""
+        """Stop the workers and wait for the ones spawned here to exit (idempotent)."""
         self._finalizer()
 
 
-def _stop_workers(conns: list, workers: list) -> None:
-    """Ask each worker to stop, then make sure: a worker that has not exited 10 s later (one
-    stuck waiting for a peer, say) is terminated."""
+def _last_word(message: tuple) -> str:
+    if message and message[0] == "error":
+        return f"failed: {message[1]}"
+    return f"said {message!r} out of turn"
+
+
+def _first_difference(ours: dict | None, theirs: dict | None) -> tuple[str, object, object] | None:
+    """The first setting two ranks disagree on, or None (also when either has none to show)."""
+    if ours is None or theirs is None:
+        return None
+    for name in sorted(set(ours) | set(theirs)):
+        if ours.get(name) != theirs.get(name):
+            return name, ours.get(name), theirs.get(name)
+    return None
+
+
+def _stop_workers(conns: list[Connection], spawned: list[SpawnedWorker]) -> None:
+    """Ask each worker to stop, then make sure of the ones spawned here: a worker that has not
+    exited 10 s later (one stuck waiting for a peer, say) is terminated."""
     for conn in conns:
         try:
-            conn.send_bytes(pickle.dumps(("stop", None)))
+            _send(conn, ("stop", None))
         except (OSError, ValueError):  # the worker is gone already
             pass
         conn.close()
-    for process in workers:
-        process.join(timeout=10)
-        if process.is_alive():
-            process.terminate()
-            process.join(timeout=5)
+    for worker in spawned:
+        try:
+            worker.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            worker.process.terminate()
+            worker.process.wait(timeout=5)
+        worker.stderr.close()
 
 
 class ParallelModel:
@@ -232,17 +425,17 @@ class ParallelModel:
     does garbage collection or this process's exit."""
 
     local: torch.nn.Module
-    workers: WorkerProcesses
+    workers: Workers
     full_cfg: ModelConfig  # the whole model's shape
     _cache_key, _last_cache = 0, None
 
     def _start(self, model: GPT, follower: type[Follower], parts: list[Callable[..., torch.nn.Module]],
-               states: list[dict], role: str, option: str, threads: int | None) -> None:
+               states: list[dict], role: str, option: str, threads: int | None, settings: dict | None) -> None:
         """Rank ``r``'s part is ``parts[r](r, size, group)`` holding ``states[r]``: rank 0's here
-        (``local``), each other one in a worker process, answering through ``follower``."""
+        (``local``), each other one in a worker's process, answering through ``follower``."""
         impl = model.blocks[0].attn.impl
         builders = [partial(follower, parts[r], states[r], impl) for r in range(1, len(parts))]
-        self.workers = WorkerProcesses(role, option, model.device, builders, threads)
+        self.workers = Workers(role, option, model.device, builders, threads, settings)
         try:
             self.local = load_part(parts[0](0, len(parts), self.workers.group), states[0], impl, model.device)
         except BaseException:
@@ -294,8 +487,12 @@ class ParallelModel:
         pad = None if cache.pad is None else cache.pad.tolist()
         return ("contiguous", self._cache_key, cache.k.shape[1], cache.max_len, pad)
 
+    def check_alive(self) -> None:
+        """Raise :class:`WorkerLost` if a worker has failed or gone (the engine asks between steps)."""
+        self.workers.check()
+
     def close(self) -> None:
-        """Stop the workers and wait for them to exit (idempotent)."""
+        """Stop the workers (idempotent)."""
         self.workers.close()
 
     def __enter__(self) -> ParallelModel:

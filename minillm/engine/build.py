@@ -8,6 +8,7 @@ failure one option caused raises :class:`EngineOptionError` naming it, for the s
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from minillm.distributed.rendezvous import is_worker_rank, launched, telling_the_launch
 from minillm.model.checkpoint import load_model
 from minillm.engine.config import EngineConfig, EngineOptionError
 from minillm.engine.kv_cache import AttentionKernels
@@ -32,7 +34,7 @@ NGRAM = "ngram"  # the speculative_draft value that asks for prompt lookup inste
 
 
 def build_engine(
-    model: GPT | str | Path,
+    model: GPT | str | Path | None,
     config: EngineConfig | None = None,
     *,
     device: str | torch.device | None = None,
@@ -50,27 +52,50 @@ def build_engine(
     ``num_speculative_tokens`` per decoding sequence (chapter 15), in steps of at most
     ``speculative_disable_by_batch_size`` sequences (None: up to the batch size where the
     speculator measures that it stops paying). Split models start worker processes, which
-    ``engine.close()`` stops."""
+    ``engine.close()`` stops. In a worker rank of a torchrun launch, this serves rank 0 (which
+    sends the weights: ``model`` may be None there) and ends the process."""
     config = config or EngineConfig()
-    check_options(config, dtype=dtype, quantize=quantize, speculative_draft=speculative_draft,
-                  num_speculative_tokens=num_speculative_tokens,
-                  speculative_disable_by_batch_size=speculative_disable_by_batch_size)
+    options = dict(dtype=dtype, quantize=quantize, speculative_draft=speculative_draft,
+                   num_speculative_tokens=num_speculative_tokens,
+                   speculative_disable_by_batch_size=speculative_disable_by_batch_size)
+
+    def settings() -> dict:
+        check_options(config, **options)
+        check_launch(config)
+        return launch_settings(config, **options)
+
+    if is_worker_rank():  # it serves rank 0 its part of the model, then exits
+        from minillm.distributed.workers import follow
+
+        raise SystemExit(follow(settings))
+    with telling_the_launch():  # a failure here is posted for the launch's other ranks, which wait for us
+        return _build_rank_0(model, config, device, options, tokenizer, settings())
+
+
+def _build_rank_0(model: GPT | str | Path, config: EngineConfig, device: str | torch.device | None,
+                  options: dict, tokenizer: Tokenizer | None, settings: dict) -> LLMEngine:
+    """``build_engine`` in the process that runs the engine (rank 0 of a split model)."""
+    if model is None:
+        raise TypeError("build_engine needs a model (a GPT or a checkpoint path)")
+    dtype, quantize = options["dtype"], options["quantize"]
     model = load_weights(model, device)
     try:  # check_options has vetted the dtype and the scheme: what is left is the model's shape
         cast_and_quantize(model, resolve_dtype(dtype), quantize)
     except ValueError as err:
         raise EngineOptionError("quantize", str(err)) from None
-    speculator = build_speculator(speculative_draft, model, num_speculative_tokens, speculative_disable_by_batch_size,
+    speculator = build_speculator(options["speculative_draft"], model, options["num_speculative_tokens"],
+                                  options["speculative_disable_by_batch_size"],
                                   prepare=lambda draft: packed_if_asked(draft, config))
     if config.tensor_parallel_size > 1:  # this process becomes rank 0; the other shards run in workers
-        from minillm.distributed.tensor_workers import TensorParallelGPT  # spawns processes: only when asked
+        from minillm.distributed.tensor_workers import TensorParallelGPT  # starts processes: only when asked
 
-        model = TensorParallelGPT(model.eval(), config.tensor_parallel_size)  # type: ignore[assignment]
-    if config.pipeline_parallel_size > 1:  # stage 0 here, one worker process per later stage
+        model = TensorParallelGPT(model.eval(), config.tensor_parallel_size, settings=settings)  # type: ignore[assignment]
+    if config.pipeline_parallel_size > 1:  # stage 0 here, one worker per later stage
         from minillm.distributed.pipeline_workers import PipelineParallelGPT
 
         try:  # a bad size is refused before any process starts
-            model = PipelineParallelGPT(model.eval(), config.pipeline_parallel_size)  # type: ignore[assignment]
+            model = PipelineParallelGPT(model.eval(), config.pipeline_parallel_size,  # type: ignore[assignment]
+                                        settings=settings)
         except ValueError as err:
             raise EngineOptionError("pipeline_parallel_size", str(err)) from None
     try:
@@ -83,6 +108,29 @@ def build_engine(
         if isinstance(err, MemoryBudgetError):
             raise EngineOptionError("memory_budget", str(err)) from None
         raise
+
+
+def check_launch(config: EngineConfig) -> None:
+    """Under torchrun, refuse a split that does not use exactly the launched ranks (every rank
+    checks, so all of them fail at once, each saying why)."""
+    rank = launched()
+    if rank is None:
+        return
+    split = config.tensor_parallel_size * config.pipeline_parallel_size
+    if split != rank.world_size:
+        option = "pipeline_parallel_size" if config.pipeline_parallel_size > 1 else "tensor_parallel_size"
+        raise EngineOptionError(option, f"torchrun launched {rank.world_size} ranks (--nnodes x --nproc-per-node), "
+                                f"but the model is split over {split}: {option} must be {rank.world_size}")
+
+
+def launch_settings(config: EngineConfig, **options: object) -> dict:
+    """What every rank of a torchrun launch must be given alike: the engine's configuration and
+    :func:`build_engine`'s options (a model or path as its name), compared by rank 0 at the
+    rendezvous. The device is not among them: each rank has its own."""
+    plain = (bool, int, float, str, type(None))
+    values = {**asdict(config), **options}
+    return {name: value if isinstance(value, plain) else str(value) if not isinstance(value, torch.nn.Module)
+            else type(value).__name__ for name, value in values.items()}
 
 
 def make_engine(model: GPT, config: EngineConfig, tokenizer: Tokenizer | None, speculator: Speculator | None,

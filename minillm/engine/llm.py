@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from minillm.distributed.rendezvous import telling_the_launch
 from minillm.engine.build import build_engine
 from minillm.engine.config import EngineConfig
 from minillm.decoding.logprobs import TokenLogprobs
@@ -44,7 +45,9 @@ class LLM:
     ``model``, ``device``, ``dtype``, ``quantize`` and ``speculative_draft`` take); the other
     keywords are :class:`EngineConfig` fields. With ``tensor_parallel_size`` or
     ``pipeline_parallel_size`` > 1 the engine starts worker processes: ``close()`` the ``LLM``
-    (or use it in a ``with``) to stop them."""
+    (or use it in a ``with``) to stop them. Launched by ``torchrun`` (every rank running the
+    same script), rank 0's ``LLM`` uses the launch's other ranks as its workers, and on each
+    of those ranks this constructor serves rank 0 and then ends the process, never returning."""
 
     def __init__(
         self,
@@ -59,11 +62,12 @@ class LLM:
         quantize: str | None = None,
         **engine_options: object,
     ) -> None:
-        self.engine = build_engine(
-            model, EngineConfig(**engine_options), device=device, dtype=dtype, quantize=quantize,  # type: ignore[arg-type]
-            speculative_draft=speculative_draft, num_speculative_tokens=num_speculative_tokens,
-            speculative_disable_by_batch_size=speculative_disable_by_batch_size, tokenizer=tokenizer,
-        )
+        with telling_the_launch():  # under torchrun, a bad option is posted for the other ranks
+            self.engine = build_engine(
+                model, EngineConfig(**engine_options), device=device, dtype=dtype, quantize=quantize,  # type: ignore[arg-type]
+                speculative_draft=speculative_draft, num_speculative_tokens=num_speculative_tokens,
+                speculative_disable_by_batch_size=speculative_disable_by_batch_size, tokenizer=tokenizer,
+            )
         self._next_id = 0
 
     def close(self) -> None:

@@ -28,6 +28,11 @@ from minillm.decoding.structured import grammar_compiler
 from minillm.data.tokenizer import Tokenizer, get_tokenizer
 
 
+class EngineDead(RuntimeError):
+    """The engine cannot take another step (a split model's worker has gone): whoever drives it
+    should stop, not retry."""
+
+
 @dataclass
 class RequestOutput:
     """What one step produced for one request: its new tokens and the text now safe to show.
@@ -333,6 +338,13 @@ class LLMEngine:
         """The requests never scheduled yet, oldest first: nothing computed, nothing sent, so a
         server shutting down can refuse them outright."""
         return self.scheduler.queued_request_ids
+
+    def check_alive(self) -> None:
+        """Raise :class:`EngineDead` if the engine can no longer step: a split model checks its
+        workers (a model in this one process is always alive). Cheap enough to ask when idle."""
+        check = getattr(self.model, "check_alive", None)
+        if check is not None:
+            check()
 
     def close(self) -> None:
         """Release what outlives the engine's steps: the device thread, a split model's worker
