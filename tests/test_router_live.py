@@ -1,7 +1,9 @@
 """The router in front of two real ``python -m server`` replicas on a tiny checkpoint.
 
 The replicas are started the way ``python -m server.router --spawn 2`` starts them
-(:func:`server.router.spawn_replicas`); the router runs in the test's event loop.
+(:func:`server.router.spawn_replicas`); the router runs in the test's event loop, and then as
+``python -m server.router --replica URL ...``, a process of its own in front of servers it did
+not start, as it would front replicas on other hosts.
 """
 
 from __future__ import annotations
@@ -9,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
+import subprocess
+import sys
 
 import aiohttp
 import pytest
@@ -80,3 +85,32 @@ async def _through_the_router(urls: list[str]) -> None:
 def test_the_router_over_real_replicas(replicas: list[str]) -> None:
     asyncio.run(asyncio.wait_for(_through_the_router(replicas), 60))
 
+
+
+def test_the_router_command_fronts_replicas_it_did_not_start(replicas: list[str]) -> None:
+    command = [sys.executable, "-m", "server.router", "--port", "0", "--policy", "round-robin"]
+    for url in replicas:
+        command += ["--replica", url]
+    router = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for banner in router.stdout:  # log lines may come first
+            if match := re.search(r"serving at (http://\S+) over (.*)   \(Ctrl", banner):
+                break
+        assert match and match.group(2) == ", ".join(replicas), banner
+
+        async def two_requests() -> list[str]:
+            async with aiohttp.ClientSession() as session:
+                homes = []
+                for _ in range(2):
+                    body = {"prompt": "Once upon a time", "max_tokens": 4}
+                    async with session.post(f"{match.group(1)}/v1/completions", json=body) as response:
+                        assert response.status == 200 and (await response.json())["choices"][0]["text"]
+                        homes.append(response.headers["X-Replica"])
+                return homes
+
+        assert sorted(asyncio.run(asyncio.wait_for(two_requests(), 60))) == sorted(replicas)  # one each, in turn
+        router.send_signal(signal.SIGTERM)
+        assert router.wait(timeout=30) == 0
+    finally:
+        router.kill()
+        router.stdout.close()
