@@ -29,7 +29,8 @@ from minillm.engine.llm_engine import LLMEngine, RequestOutput, Speedups
 from minillm.engine.model_runner import PreparedStep
 from minillm.model.gpt import GPT, KVCache
 from minillm.distributed.tensor import check_splittable
-from minillm.distributed.workers import Follower, ParallelModel
+from minillm.distributed.follower import Follower
+from minillm.distributed.workers import ParallelModel
 from minillm.distributed.pipeline import (
     PipelineStage,
     StageStats,

@@ -14,7 +14,8 @@ import torch
 
 from minillm.model.gpt import GPT, KVCache
 from minillm.distributed.tensor import ShardedGPT, check_splittable, check_tensor_parallel_size, shard_state_dict
-from minillm.distributed.workers import Follower, ParallelModel
+from minillm.distributed.follower import Follower
+from minillm.distributed.workers import ParallelModel
 
 
 class ShardFollower(Follower):

@@ -4,13 +4,13 @@ Both split a model over processes the same way (vLLM's design in miniature). The
 runs the engine is rank 0: the scheduler, sampling and detokenizing happen there and only
 there. Each other rank is a worker holding its own part of the weights, in a process rank 0
 spawned on this machine or one torchrun launched on this host or another
-(:mod:`~minillm.distributed.rendezvous`); either way it runs :func:`follow`. For every
-forward, rank 0 sends the call over its connection to each worker: the token ids, the
-positions and the cache's *layout* (slot mapping, block tables and masks, never keys or
-values). The workers rebuild the same cache view over their own KV pool, which holds only
-their part, and run their part of the forward; what passes between the ranks inside it
-(all-reduces, or hidden states from stage to stage) goes over the process group, and is the
-caller's business.
+(:mod:`~minillm.distributed.rendezvous`); either way it runs
+:func:`~minillm.distributed.follower.follow`. For every forward, rank 0 sends the call over
+its connection to each worker: the token ids, the positions and the cache's *layout* (slot
+mapping, block tables and masks, never keys or values). The workers rebuild the same cache
+view over their own KV pool, which holds only their part, and run their part of the forward;
+what passes between the ranks inside it (all-reduces, or hidden states from stage to stage)
+goes over the process group, and is the caller's business.
 
 A worker that fails says so on its connection before it exits; rank 0 reads those last words
 whenever talking to the workers fails, or finds something to read between steps, and raises
@@ -19,14 +19,11 @@ whenever talking to the workers fails, or finds something to read between steps,
 
 from __future__ import annotations
 
-import datetime
 import io
 import os
 import pickle
-import signal
 import socket
 import subprocess
-import sys
 import time
 import weakref
 from functools import partial
@@ -37,178 +34,27 @@ import torch
 import torch.distributed as dist
 
 from minillm.decoding.generate import ContiguousKVCache
+from minillm.distributed.follower import Follower, StepPickler, join_group, load_part, receive_message, send_message
 from minillm.distributed.rendezvous import (
     POLL_S,
     PeerFailed,
     RankZeroListener,
     SpawnedWorker,
-    connect_to_rank_0,
     describe,
     launch_store,
     launched,
-    post_failure,
     posted_failure,
     reachable_address,
     spawn_workers,
 )
 from minillm.engine.config import EngineOptionError
-from minillm.engine.kv_cache import PagedAttention, PagedKVPool
+from minillm.engine.kv_cache import PagedAttention
 from minillm.engine.llm_engine import EngineDead
 from minillm.model.config import ModelConfig
 from minillm.model.gpt import GPT, KVCache
 
 READY_TIMEOUT_S = 120.0  # starting a process and importing torch takes seconds on a busy CPU
-JOIN_TIMEOUT = datetime.timedelta(seconds=300)  # for every rank to reach the process group, and each collective
 LOST_WAIT_S = 5.0  # how long rank 0 waits for a failed worker's last words
-_WORKER_DEVICE = torch.device("cpu")  # where unpickled step tensors go: set once per worker, in follow
-
-
-# ----------------------------------------------------------------------------- messages
-
-
-def _to_device(array) -> torch.Tensor:
-    return torch.from_numpy(array).to(_WORKER_DEVICE)
-
-
-class _StepPickler(pickle.Pickler):
-    """Tensors as NumPy arrays: plain bytes, far cheaper to pickle than ``torch.save``'s
-    format, and rebuilt on the worker's own device. Step inputs are integer and bool only."""
-
-    def reducer_override(self, obj):
-        if isinstance(obj, torch.Tensor):
-            return _to_device, (obj.detach().cpu().numpy(),)
-        return NotImplemented
-
-
-class WorkerCaches:
-    """A worker's mirror of rank 0's caches (from :meth:`ParallelModel.layout`): one paged pool
-    (made on first use, with the shape rank 0's pool has) and the contiguous cache of the
-    latest ``generate`` call."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module  # the worker's part: its cfg, device and dtype size the caches
-        self.pool: PagedKVPool | None = None
-        self.contiguous: tuple[int, ContiguousKVCache] | None = None
-
-    def build(self, layout: tuple) -> KVCache | None:
-        kind, *rest = layout
-        if kind == "none":
-            return None
-        if kind == "paged":
-            num_blocks, block_size, slots, decodes, prefills = rest
-            if self.pool is None or (self.pool.num_blocks, self.pool.block_size) != (num_blocks, block_size):
-                self.pool = PagedKVPool(self.module.cfg, num_blocks, block_size, self.module.device, self.module.dtype)
-            return PagedAttention(self.pool, slots, decodes, prefills)
-        key, batch, max_len, pad = rest
-        if self.contiguous is None or self.contiguous[0] != key:
-            self.contiguous = (key, ContiguousKVCache(self.module, batch, max_len, pad=pad))
-        return self.contiguous[1]
-
-
-# ----------------------------------------------------------------------------- a worker
-
-
-def _group(backend: str, rank: int, size: int, store: dist.Store) -> dist.ProcessGroup:
-    """A process group of its own (not the process-wide default one ``torchrun`` scripts use),
-    so a notebook can open and close several; returns when every rank has joined."""
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, size)
-    return dist.ProcessGroupGloo(store, rank, size, JOIN_TIMEOUT)
-
-
-def load_part(part: torch.nn.Module, state: dict, impl: str, device: torch.device) -> torch.nn.Module:
-    """``part`` of a split model (a shard or a pipeline stage) holding ``state``, on ``device``
-    in the weights' dtype, in eval mode, with the attention implementation ``impl``."""
-    part.to(device, next(iter(state.values())).dtype).load_state_dict(state)
-    return part.set_attention(impl).eval()
-
-
-class Follower:
-    """A worker's part of the model, ``part(rank, size, group)`` holding ``state``, and its
-    answers to rank 0: a message ``(kind, payload)`` calls the method named ``kind`` with
-    ``payload``, and what it returns, if not None, goes back to rank 0. Every follower
-    switches attention (``"attention"``); each kind of split adds ``forward`` and whatever
-    else it needs."""
-
-    def __init__(self, part: Callable[..., torch.nn.Module], state: dict, impl: str, rank: int, size: int,
-                 group: dist.ProcessGroup, device: torch.device) -> None:
-        self.module = load_part(part(rank, size, group), state, impl, device)
-        self.caches = WorkerCaches(self.module)
-
-    def attention(self, impl: str) -> None:
-        self.module.set_attention(impl)
-
-
-def _send(conn: Connection, message: object) -> None:
-    """Plain pickle: ``Connection.send`` would use torch's shared-memory reductions, which do
-    not cross hosts."""
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def _receive(conn: Connection) -> object:
-    return pickle.loads(conn.recv_bytes())
-
-
-def follow(settings: Callable[[], dict | None] = lambda: None) -> int:
-    """A worker rank's whole life, in a process a launch started (see
-    :mod:`~minillm.distributed.rendezvous`): connect to rank 0, show it ``settings()`` (the
-    options this rank was given, which must be rank 0's), receive the part of the model to
-    build, join the process group, then answer rank 0 until it says stop (returns 0) or goes
-    away (returns 1). An error on the way is this rank's last word to rank 0 (or, before it
-    connected, a note in the store) and is raised."""
-    global _WORKER_DEVICE
-    rank = launched()
-    if rank is None or rank.rank == 0:
-        raise RuntimeError("follow() runs in a worker rank of a launch (RANK > 0 under torchrun)")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches every process of a terminal: rank 0 decides
-    store = launch_store()
-    try:
-        mine = settings()
-        conn = connect_to_rank_0(store)
-    except BaseException as err:
-        post_failure(store, rank.rank, describe(err))
-        raise
-    with conn:
-        try:
-            _send(conn, ("hello", rank.rank, f"{socket.gethostname()} pid {os.getpid()}", mine))
-            kind, *rest = _receive(conn)
-            if kind == "refused":
-                print(f"rank 0 refused rank {rank.rank}: {rest[0]}", file=sys.stderr)
-                return 2
-            build, backend, threads = rest
-            _WORKER_DEVICE = torch.device(f"cuda:{rank.local_rank}" if backend == "nccl" else "cpu")
-            if _WORKER_DEVICE.type == "cuda":
-                torch.cuda.set_device(_WORKER_DEVICE)
-            if threads:
-                torch.set_num_threads(threads)
-            _send(conn, ("joining",))
-            group = _group(backend, rank.rank, rank.world_size, dist.PrefixStore("group", store))
-            follower = build(rank.rank, rank.world_size, group, _WORKER_DEVICE)
-            _send(conn, ("ready",))
-            return _answer(conn, follower)
-        except BaseException as err:
-            try:
-                _send(conn, ("error", describe(err)))
-            except OSError:  # rank 0 is gone already
-                pass
-            raise
-
-
-def _answer(conn: Connection, follower: Follower) -> int:
-    """Answer rank 0's messages until it says stop (0) or its end of the connection closes (1)."""
-    with torch.inference_mode():
-        while True:
-            try:
-                data = conn.recv_bytes()
-            except (EOFError, OSError):
-                print("rank 0 went away without saying stop; this worker exits", file=sys.stderr)
-                return 1
-            kind, payload = pickle.loads(data)
-            if kind == "stop":
-                return 0
-            reply = getattr(follower, kind)(payload)
-            if reply is not None:
-                _send(conn, reply)
 
 
 # ----------------------------------------------------------------------------- rank 0
@@ -258,9 +104,9 @@ class Workers:
                 store, host, threads = launch_store(), reachable_address(os.environ["MASTER_ADDR"]), None
             self._meet(RankZeroListener(store, host), store, size, settings)
             for conn, build in zip(self.conns, builders):
-                _send(conn, ("build", build, backend, threads))
+                send_message(conn, ("build", build, backend, threads))
             self._expect("joining")
-            self.group = _group(backend, 0, size, dist.PrefixStore("group", store))
+            self.group = join_group(backend, 0, size, store)
             self._expect("ready")
         except BaseException:
             self.close()
@@ -274,7 +120,7 @@ class Workers:
             while len(hellos) < size - 1:
                 conn = listener.accept(POLL_S)
                 if isinstance(conn, Connection) and conn.poll(READY_TIMEOUT_S):
-                    _, rank, peer, theirs = _receive(conn)
+                    _, rank, peer, theirs = receive_message(conn)
                     hellos[rank] = (conn, peer, theirs)
                 for rank in set(range(1, size)) - set(hellos):
                     self._fail_if_starting_failed(store, rank)
@@ -292,7 +138,7 @@ class Workers:
                 name, ours, its = difference
                 message = f"{name} differs between ranks: rank 0 has {ours!r}, rank {rank} has {its!r}"
                 for other in self.conns:
-                    _send(other, ("refused", message))
+                    send_message(other, ("refused", message))
                 raise EngineOptionError(name, message)
 
     def _fail_if_starting_failed(self, store: dist.Store, rank: int) -> None:
@@ -313,7 +159,7 @@ class Workers:
                 if time.monotonic() > deadline or (self.spawned and self.spawned[index].process.poll() is not None):
                     raise self.lost(TimeoutError(f"no {kind!r} within {READY_TIMEOUT_S:.0f} s"))
             try:
-                message = _receive(conn)
+                message = receive_message(conn)
             except (EOFError, OSError) as err:
                 raise self.lost(err) from None
             if message != (kind,):
@@ -324,7 +170,7 @@ class Workers:
         if not self._finalizer.alive:
             raise RuntimeError(f"the {self.role}s are closed")
         buffer = io.BytesIO()
-        _StepPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+        StepPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
         data = buffer.getvalue()
         for conn in self.conns:
             try:
@@ -335,7 +181,7 @@ class Workers:
     def receive_all(self) -> list:
         """One reply from every worker, in rank order."""
         try:
-            return [_receive(conn) for conn in self.conns]
+            return [receive_message(conn) for conn in self.conns]
         except (EOFError, OSError) as err:
             raise self.lost(err) from None
 
@@ -357,7 +203,7 @@ class Workers:
                 if index not in words:
                     try:
                         if conn.poll(0):
-                            words[index] = _last_word(_receive(conn))
+                            words[index] = _last_word(receive_message(conn))
                     except (EOFError, OSError):
                         words[index] = self._silent_end(index)
             if words and settle is None:
@@ -403,7 +249,7 @@ def _stop_workers(conns: list[Connection], spawned: list[SpawnedWorker]) -> None
     exited 10 s later (one stuck waiting for a peer, say) is terminated."""
     for conn in conns:
         try:
-            _send(conn, ("stop", None))
+            send_message(conn, ("stop", None))
         except (OSError, ValueError):  # the worker is gone already
             pass
         conn.close()

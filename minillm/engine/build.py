@@ -65,7 +65,7 @@ def build_engine(
         return launch_settings(config, **options)
 
     if is_worker_rank():  # it serves rank 0 its part of the model, then exits
-        from minillm.distributed.workers import follow
+        from minillm.distributed.follower import follow
 
         raise SystemExit(follow(settings))
     with telling_the_launch():  # a failure here is posted for the launch's other ranks, which wait for us
