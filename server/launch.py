@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 _BANNER = re.compile(r"serving .* at (http://\S+)")
+_RANKS = re.compile(r"split over \d+ processes: (.*)")
 
 
 class ServerProcess:
@@ -34,6 +35,12 @@ class ServerProcess:
 
     def output(self) -> str:
         return "".join(self.log)
+
+    def rank_pids(self) -> list[int]:
+        """The process id of each rank of a split model, rank 0 first, from the banner's line
+        about them (empty for a model in one process)."""
+        match = _RANKS.search(self.output())
+        return [] if match is None else [int(pid) for pid in re.findall(r"pid (\d+)", match.group(1))]
 
     def terminate(self) -> None:
         """Ask for a graceful shutdown (SIGTERM) without waiting for it. Sent once only: the

@@ -27,7 +27,6 @@ from tests.models import lively_tiny
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 PROMPT = "Once upon a time there was a little dog"
-PIDS = re.compile(r"rank 0 \(\S+ pid (\d+)\) \+ .* rank 1 \(\S+ pid (\d+)\)")
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +80,7 @@ def test_two_launchers_serve_what_one_process_does_and_sigterm_stops_both(checkp
     server = start_server(checkpoint, "--device", "cpu", "--kv-cache-memory", "16MiB", split, "2",
                           launcher=torchrun(0, 2, where), env=ENV, timeout=120)
     try:
-        rank_0, rank_1 = map(int, PIDS.search(server.output()).groups())
+        rank_0, rank_1 = server.rank_pids()
         assert complete(server.url) == one_process
         os.kill(rank_0, signal.SIGTERM)  # the server itself, not its launcher: a graceful stop
         assert server.proc.wait(timeout=60) == 0, server.output()
@@ -117,7 +116,7 @@ def test_a_killed_worker_is_named_by_rank_0_which_exits(checkpoint):
     server = start_server(checkpoint, "--device", "cpu", "--kv-cache-memory", "16MiB", "--pipeline-parallel-size",
                           "2", launcher=torchrun(0, 2, where), env=ENV, timeout=120)
     try:
-        _, rank_1 = map(int, PIDS.search(server.output()).groups())
+        _, rank_1 = server.rank_pids()
         os.kill(rank_1, signal.SIGKILL)
         start = time.monotonic()
         code = server.proc.wait(timeout=30)  # noticed while idle, with no request to fail

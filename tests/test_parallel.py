@@ -156,8 +156,12 @@ def test_the_engine_with_two_ranks_generates_what_one_process_does(model):
             tp(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[TINY.context_length]]))
         tp.local.allreduce.reset()
         x = torch.tensor([PROMPTS[0]])
+        forwards, nbytes = tp.workers.sent["forward"]
         with torch.inference_mode():
             assert (tp(x) - model(x)).abs().max() < LOGIT_TOLERANCE
+        # one more forward told to the worker: its token ids among the bytes, in a message of a few hundred
+        assert tp.workers.sent["forward"][0] == forwards + 1
+        assert 8 * x.numel() < tp.workers.sent["forward"][1] - nbytes < 1000
         volume = allreduce_volume(TINY, 2)  # the counted all-reduces carry what the formula says
         assert tp.local.allreduce.calls == volume.allreduces_per_layer * TINY.n_layers
         assert tp.local.allreduce.bytes == tp.local.allreduce.calls * x.shape[1] * volume.message_bytes

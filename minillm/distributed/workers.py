@@ -87,6 +87,7 @@ class Workers:
         self.spawned: list[SpawnedWorker] = []
         self._finalizer = weakref.finalize(self, _stop_workers, self.conns, self.spawned)
         self.group: dist.ProcessGroup | None = None
+        self.sent: dict[str, tuple[int, int]] = {}  # message kind -> (messages, bytes) sent to each worker
         if size == 1:
             return
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -166,12 +167,15 @@ class Workers:
                 raise self.lost(RuntimeError(f"expected {kind!r}, got {message[0]!r}"), {index: message})
 
     def send(self, message: tuple) -> None:
-        """The same message to every worker, in order."""
+        """The same message to every worker, in order (``sent`` counts each kind's messages
+        and bytes, as one worker receives them)."""
         if not self._finalizer.alive:
             raise RuntimeError(f"the {self.role}s are closed")
         buffer = io.BytesIO()
         StepPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
         data = buffer.getvalue()
+        count, nbytes = self.sent.get(message[0], (0, 0))
+        self.sent[message[0]] = (count + 1, nbytes + len(data))
         for conn in self.conns:
             try:
                 conn.send_bytes(data)
