@@ -130,14 +130,15 @@ def test_a_killed_worker_is_named_by_rank_0_which_exits(checkpoint):
         worker.kill()
 
 
-@pytest.mark.parametrize("rank_1_flag, message", [
-    ("8", r"--max-num-seqs: max_num_seqs differs between ranks: rank 0 has 256, rank 1 has 8"),
-    ("0", r"tensor-parallel worker rank 1 failed while starting: --max-num-seqs: max_num_seqs must be >= 1, got 0"),
+@pytest.mark.parametrize("split, rank_1_flag, message", [
+    ("--pipeline-parallel-size", "8", r"--max-num-seqs: max_num_seqs differs between ranks: rank 0 has 256, rank 1 has 8"),
+    ("--tensor-parallel-size", "0",
+     r"tensor-parallel worker rank 1 failed while starting: --max-num-seqs: max_num_seqs must be >= 1, got 0"),
 ])
-def test_a_worker_that_cannot_start_or_disagrees_is_named_by_rank_0(checkpoint, rank_1_flag, message):
+def test_a_worker_that_cannot_start_or_disagrees_is_named_by_rank_0(checkpoint, split, rank_1_flag, message):
     where = endpoint()
-    hosts = [host(0, where, *server_flags(checkpoint, "--tensor-parallel-size", "2")),
-             host(1, where, *server_flags(checkpoint, "--tensor-parallel-size", "2", "--max-num-seqs", rank_1_flag))]
+    hosts = [host(0, where, *server_flags(checkpoint, split, "2")),
+             host(1, where, *server_flags(checkpoint, split, "2", "--max-num-seqs", rank_1_flag))]
     (code_0, output_0), (code_1, output_1) = [finish(h) for h in hosts]
     assert code_0 != 0 and code_1 != 0
     assert re.search(f"^python -m server: error: {message}$", output_0, re.MULTILINE), output_0  # one line, no trace

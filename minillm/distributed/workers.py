@@ -94,6 +94,9 @@ class Workers:
         launch = launched()
         if launch is None and backend == "nccl" and torch.cuda.device_count() < size:
             raise ValueError(f"{option} {size} needs {size} GPUs; this machine has {torch.cuda.device_count()}")
+        if launch is not None and launch.rank != 0:
+            raise RuntimeError("under torchrun only rank 0 builds a split model; every other rank follows it "
+                               "(minillm.distributed.follower.follow: build_engine and LLM call it there)")
         if launch is not None and launch.world_size != size:
             raise ValueError(f"{option} {size} needs {size} ranks; torchrun launched {launch.world_size} "
                              "(--nnodes x --nproc-per-node)")
@@ -121,8 +124,11 @@ class Workers:
             while len(hellos) < size - 1:
                 conn = listener.accept(POLL_S)
                 if isinstance(conn, Connection) and conn.poll(READY_TIMEOUT_S):
-                    _, rank, peer, theirs = receive_message(conn)
-                    hellos[rank] = (conn, peer, theirs)
+                    try:
+                        _, rank, peer, theirs = receive_message(conn)
+                        hellos[rank] = (conn, peer, theirs)
+                    except (EOFError, OSError):  # it died before its hello: its failure shows below
+                        conn.close()
                 for rank in set(range(1, size)) - set(hellos):
                     self._fail_if_starting_failed(store, rank)
                 if time.monotonic() > deadline:

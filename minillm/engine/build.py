@@ -96,6 +96,8 @@ def _build_rank_0(model: GPT | str | Path, config: EngineConfig, device: str | t
         try:  # a bad size is refused before any process starts
             model = PipelineParallelGPT(model.eval(), config.pipeline_parallel_size,  # type: ignore[assignment]
                                         settings=settings)
+        except EngineOptionError:  # another option at fault (ranks that disagree on it)
+            raise
         except ValueError as err:
             raise EngineOptionError("pipeline_parallel_size", str(err)) from None
     try:
