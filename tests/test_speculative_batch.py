@@ -4,19 +4,26 @@ preemption, prefix caching, new arrivals and aborts; in distribution sampled."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import pytest
 import torch
+from aiohttp.test_utils import TestClient, TestServer
 
+from minillm.data.tokenizer import get_tokenizer
 from minillm.decoding.sampling import SamplingParams
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm import LLM
+from minillm.engine.llm_engine import LLMEngine
 from minillm.model.config import ModelConfig
 from minillm.model.gpt import GPT
 from minillm.speedups.speculative.speculator import SpeculativeEngine, Speculator
 from test_speculative import peaky
 from test_speculative_engine import draft, target  # noqa: F401 (the same two models, as fixtures)
+
+from server.app import create_app
+from server.config import ServerConfig
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1, 2, 3], list(range(100, 140)), [9, 9, 9, 4, 4]]
 GREEDY = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
@@ -202,3 +209,43 @@ def test_the_batch_sweep_compares_three_engines_on_the_same_prompts(target, draf
     assert report["costs"] and all(c["ratio"] > 0 for c in report["costs"])
     with pytest.raises(ValueError, match="cannot fill a batch of 4"):
         batch_sweep(target, draft, [4], prompts=PROMPTS[:2])
+
+
+def test_the_draft_models_cache_shares_the_kv_cache_budget(target, draft) -> None:
+    """The draft's pool mirrors the target's blocks, so a block costs both: sized from
+    ``kv_cache_memory`` alone, the target's pool would take the whole budget and the draft's
+    come on top of it (on a GPU, whose default budget is most of its free memory, an
+    out-of-memory error)."""
+    budget, block_size = 2**20, 8
+    speculator = Speculator.with_draft_model(draft, target, 4, disable_by_batch_size=8)
+    engine = SpeculativeEngine(target, EngineConfig(kv_cache_memory=budget, block_size=block_size),
+                               speculator=speculator)
+    draft_pool = speculator.drafter.runner.pool
+    per_block = engine.pool.nbytes // (engine.pool.num_blocks + 1) + draft_pool.nbytes // (draft_pool.num_blocks + 1)
+    assert draft_pool.num_blocks == engine.pool.num_blocks == budget // per_block
+    assert engine.pool.nbytes + draft_pool.nbytes <= budget + per_block  # the pad block beyond the budget
+    assert LLM(target, kv_cache_memory=budget, block_size=block_size).engine.pool.num_blocks > engine.pool.num_blocks
+
+
+def test_several_choices_of_one_request_speculate_side_by_side(target, draft) -> None:
+    """``n`` > 1 through the server: the choices are sequences of one prompt, admitted and
+    drafted together; greedy, each is the plain engine's answer."""
+    body = {"prompt": "Once upon a time there was a little dog who lived by the sea with his friend the cat",
+            "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+    async def texts(engine, n: int) -> list[str]:
+        async with TestClient(TestServer(create_app(engine, ServerConfig()))) as client:
+            response = await client.post("/v1/completions", json={**body, "n": n})
+            return [choice["text"] for choice in (await response.json())["choices"]]
+
+    def speculating(n: int) -> tuple[list[str], int]:
+        config = EngineConfig(num_blocks=64, block_size=8)
+        speculator = Speculator.with_draft_model(draft, target, 4, disable_by_batch_size=8)
+        engine = SpeculativeEngine(target, config, get_tokenizer(), speculator=speculator)
+        return asyncio.run(asyncio.wait_for(texts(engine, n), 60)), speculator.stats.drafted
+
+    (one,), drafted_alone = speculating(1)
+    three, drafted_together = speculating(3)
+    plain = LLMEngine(target, EngineConfig(num_blocks=64, block_size=8), get_tokenizer())
+    assert three == [one] * 3 == asyncio.run(asyncio.wait_for(texts(plain, 3), 60))
+    assert drafted_together == 3 * drafted_alone > 0  # each choice drafted as it would alone

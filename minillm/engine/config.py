@@ -130,7 +130,7 @@ class EngineConfig:
             return 1
         return self.pipeline_micro_batches or self.pipeline_parallel_size
 
-    def pool_blocks(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+    def pool_blocks(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, beside_per_token: int = 0) -> int:
         if self.num_blocks is not None:
             return self.num_blocks
         if self.kv_cache_memory is not None:
@@ -139,7 +139,7 @@ class EngineConfig:
             budget = int(torch.cuda.mem_get_info(device)[0] * GPU_MEMORY_FRACTION)
         else:
             budget = parse_memory(CPU_KV_CACHE_MEMORY)
-        blocks = blocks_for_memory(cfg, dtype, self.block_size, budget)
+        blocks = blocks_for_memory(cfg, dtype, self.block_size, budget, beside_per_token)
         if blocks < 1:
             raise EngineOptionError("kv_cache_memory", f"a KV cache of {budget} bytes holds not even one block of "
                                                        f"{self.block_size} tokens")

@@ -46,9 +46,11 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * cfg.n_layers * cfg.d_model * torch.empty((), dtype=dtype).element_size()
 
 
-def blocks_for_memory(cfg: ModelConfig, dtype: torch.dtype, block_size: int, memory_bytes: int) -> int:
-    """How many whole blocks fit in ``memory_bytes``."""
-    return memory_bytes // (block_size * kv_bytes_per_token(cfg, dtype))
+def blocks_for_memory(cfg: ModelConfig, dtype: torch.dtype, block_size: int, memory_bytes: int,
+                      beside_per_token: int = 0) -> int:
+    """How many whole blocks fit in ``memory_bytes``, each holding ``beside_per_token`` bytes
+    a token more in a cache beside the pool (a draft model's)."""
+    return memory_bytes // (block_size * (kv_bytes_per_token(cfg, dtype) + beside_per_token))
 
 
 class PagedKVPool:

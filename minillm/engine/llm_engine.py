@@ -134,10 +134,12 @@ class LLMEngine:
             graph_bytes = speedups.capture.graph_bytes if speedups.capture is not None else None
             self.memory = measure(model, config.memory_budget, block_size=config.block_size,
                                   max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                                  attention=attention, graph_bytes=graph_bytes)
+                                  attention=attention, graph_bytes=graph_bytes,
+                                  beside_per_token=self.kv_bytes_beside_per_token())
         # every stage's pool has as many blocks (the block tables are shared): the largest sizes them
         sizing_cfg = getattr(model, "largest_stage_cfg", model.cfg)
-        num_blocks = self.memory.blocks if self.memory else config.pool_blocks(sizing_cfg, model.dtype, model.device)
+        num_blocks = self.memory.blocks if self.memory else config.pool_blocks(
+            sizing_cfg, model.dtype, model.device, self.kv_bytes_beside_per_token())
         self.pool = PagedKVPool(model.cfg, num_blocks, config.block_size, model.device, model.dtype)
         self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -338,6 +340,12 @@ class LLMEngine:
         """The requests never scheduled yet, oldest first: nothing computed, nothing sent, so a
         server shutting down can refuse them outright."""
         return self.scheduler.queued_request_ids
+
+    def kv_bytes_beside_per_token(self) -> int:
+        """Bytes per token slot of the pool that a cache beside it holds (a draft model's, which
+        mirrors the pool's blocks): the pool is sized so that both fit the cache's budget. 0 in
+        the plain engine."""
+        return 0
 
     def check_alive(self) -> None:
         """Raise :class:`EngineDead` if the engine can no longer step: a split model checks its

@@ -254,8 +254,11 @@ def profile_peak(model: GPT, *, block_size: int, max_num_seqs: int, max_num_batc
 
 
 def measure(model: GPT, budget: str | int, *, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-            attention: str | AttentionKernels, graph_bytes: Callable[[int], int] | None) -> MemorySplit:
-    """The split of ``budget`` for an engine about to run ``model`` with those settings.
+            attention: str | AttentionKernels, graph_bytes: Callable[[int], int] | None,
+            beside_per_token: int = 0) -> MemorySplit:
+    """The split of ``budget`` for an engine about to run ``model`` with those settings; each
+    block of the cache holds ``beside_per_token`` bytes a token more in a cache beside the pool
+    (a draft model's).
 
     ``graph_bytes`` says what captured decode programs will hold given the decode peak
     (:meth:`minillm.speedups.decode_graphs.Capture.graph_bytes`), None when steps run eagerly.
@@ -280,5 +283,5 @@ def measure(model: GPT, budget: str | int, *, block_size: int, max_num_seqs: int
     allocator = min(2 * step_peak, CPU_HEAP_SLACK) if device.type == "cpu" else 0
     graphs = graph_bytes(decode_peak) if graph_bytes is not None else 0
     return plan(budget, runtime=runtime, weights=weights, activations=step_peak, allocator=allocator,
-                graphs=graphs, block_bytes=block_size * kv_bytes_per_token(model.cfg, model.dtype),
+                graphs=graphs, block_bytes=block_size * (kv_bytes_per_token(model.cfg, model.dtype) + beside_per_token),
                 block_size=block_size, context_length=model.cfg.context_length)

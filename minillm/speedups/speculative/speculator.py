@@ -33,7 +33,7 @@ import torch
 
 from minillm.data.tokenizer import Tokenizer
 from minillm.engine.config import EngineConfig
-from minillm.engine.kv_cache import PagedKVPool
+from minillm.engine.kv_cache import PagedKVPool, kv_bytes_per_token
 from minillm.engine.llm_engine import LLMEngine, Speedups
 from minillm.engine.model_runner import ChunkOutput, ModelRunner
 from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -56,12 +56,13 @@ class Speculator:
     one) after a rejection, so a sequence the drafter predicts badly wastes little."""
 
     def __init__(self, make_drafter: Callable[[PagedKVPool], BatchDrafter], num_speculative_tokens: int,
-                 disable_by_batch_size: int | None = None) -> None:
+                 disable_by_batch_size: int | None = None, draft_kv_bytes_per_token: int = 0) -> None:
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         if disable_by_batch_size is not None and disable_by_batch_size < 1:
             raise ValueError(f"speculative_disable_by_batch_size must be >= 1, got {disable_by_batch_size}")
         self.make_drafter, self.k = make_drafter, num_speculative_tokens
+        self.draft_kv_bytes_per_token = draft_kv_bytes_per_token  # the drafter's own cache, per token of the engine's pool
         # speculate in steps of at most so many sequences; None: where the engine's timed steps say it pays
         self.disable_by_batch_size = disable_by_batch_size
         self.measured = MeasuredChoice()  # the engine's own steps, timed, when no limit is given
@@ -84,7 +85,8 @@ class Speculator:
         draft = draft.to(device=target.device, dtype=target.dtype).eval()
         if prepare is not None:
             draft = prepare(draft)
-        return cls(lambda pool: PagedDrafter(draft, pool), num_speculative_tokens, disable_by_batch_size)
+        return cls(lambda pool: PagedDrafter(draft, pool), num_speculative_tokens, disable_by_batch_size,
+                   kv_bytes_per_token(draft.cfg, target.dtype))
 
     @classmethod
     def with_ngram(cls, num_speculative_tokens: int, max_ngram: int = 3,
@@ -206,10 +208,14 @@ class SpeculativeEngine(LLMEngine):
 
     def __init__(self, model: GPT, config: EngineConfig | None = None, tokenizer: Tokenizer | None = None,
                  speedups: Speedups | None = None, *, speculator: Speculator) -> None:
+        self.speculator = speculator  # before the pool is sized: the draft's cache shares its budget
         super().__init__(model, config, tokenizer, speedups)
-        self.speculator = speculator
         speculator.start(self.pool)
         self.scheduler.num_lookahead_slots = speculator.k
         self.scheduler.lookahead = speculator.lookahead
         self.overlap = False  # a speculative step's tokens decide the next step's length
         self.runner = SpeculativeRunner(self.runner, speculator)
+
+    def kv_bytes_beside_per_token(self) -> int:
+        """The draft model's keys and values: its pool has as many blocks as the target's."""
+        return self.speculator.draft_kv_bytes_per_token
