@@ -145,6 +145,8 @@ def follow(settings: Callable[[], dict | None] = lambda: None) -> int:
         try:
             send_message(conn, ("hello", rank.rank, f"{socket.gethostname()} pid {os.getpid()}", mine))
             kind, *rest = receive_message(conn)
+            if kind == "stop":  # rank 0 gave up before building anything (another rank failed)
+                return 1
             if kind == "refused":
                 print(f"rank 0 refused rank {rank.rank}: {rest[0]}", file=sys.stderr)
                 return 2

@@ -81,7 +81,7 @@ class Workers:
     def __init__(self, role: str, option: str, device: torch.device, builders: list[Callable[..., Follower]],
                  threads: int | None = None, settings: dict | None = None) -> None:
         size = len(builders) + 1
-        self.role, self.option = role, option
+        self.role = role
         self.conns: list[Connection] = []
         self.peers: list[str] = []  # each worker's host and process id, for messages
         self.spawned: list[SpawnedWorker] = []

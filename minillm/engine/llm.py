@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from minillm.distributed.rendezvous import telling_the_launch
 from minillm.engine.build import build_engine
 from minillm.engine.config import EngineConfig
 from minillm.decoding.logprobs import TokenLogprobs
@@ -62,12 +61,11 @@ class LLM:
         quantize: str | None = None,
         **engine_options: object,
     ) -> None:
-        with telling_the_launch():  # under torchrun, a bad option is posted for the other ranks
-            self.engine = build_engine(
-                model, EngineConfig(**engine_options), device=device, dtype=dtype, quantize=quantize,  # type: ignore[arg-type]
-                speculative_draft=speculative_draft, num_speculative_tokens=num_speculative_tokens,
-                speculative_disable_by_batch_size=speculative_disable_by_batch_size, tokenizer=tokenizer,
-            )
+        self.engine = build_engine(
+            model, EngineConfig(**engine_options), device=device, dtype=dtype, quantize=quantize,  # type: ignore[arg-type]
+            speculative_draft=speculative_draft, num_speculative_tokens=num_speculative_tokens,
+            speculative_disable_by_batch_size=speculative_disable_by_batch_size, tokenizer=tokenizer,
+        )
         self._next_id = 0
 
     def close(self) -> None:
