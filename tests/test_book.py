@@ -184,3 +184,21 @@ def test_the_book_url_is_where_the_pages_workflow_publishes():
     config = yaml.safe_load((ROOT / "_config.yml").read_text())
     owner, name = config["repository"]["url"].removeprefix("https://github.com/").split("/")
     assert BOOK_URL == f"https://{owner}.github.io/{name}/"
+
+
+def test_the_options_the_api_page_says_do_not_combine_are_refused_naming_both():
+    from minillm.cli import UsageError
+    from server.config import parse_args
+
+    section = (ROOT / "book" / "api.md").read_text().split("## Options that do not combine")[1].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    assert len(rows) >= 10
+    for row in rows:
+        flags = re.findall(r"`([^`]+)`", row.split("|")[1])
+        assert len(flags) == 2, row
+        with pytest.raises(UsageError) as refused:
+            parse_args([word for flag in flags for word in flag.split()])
+        message = str(refused.value)
+        for flag in flags:  # each option named, as its flag or as its keyword
+            name = flag.split()[0].removeprefix("--").removeprefix("no-")
+            assert name in message or name.replace("-", "_") in message, (row, message)
