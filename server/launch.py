@@ -88,6 +88,12 @@ def torchrun(node_rank: int, nnodes: int, endpoint: str) -> list[str]:
             "--node-rank", str(node_rank), "--rdzv-endpoint", endpoint]
 
 
+def server_command(checkpoint: str | Path, *flags: str, launcher: Sequence[str] = (sys.executable,)) -> list[str]:
+    """``python -m server`` on ``checkpoint`` on a free port with ``flags``, run by ``launcher``
+    (this Python, or a :func:`torchrun` prefix)."""
+    return [*launcher, "-m", "server", "--checkpoint", str(checkpoint), "--port", "0", *flags]
+
+
 def start_server(checkpoint: str | Path, *flags: str, timeout: float = 300, env: dict | None = None,
                  launcher: Sequence[str] = (sys.executable,)) -> ServerProcess:
     """Start the server on ``checkpoint`` with extra ``flags`` on a free port; return once it
@@ -95,8 +101,8 @@ def start_server(checkpoint: str | Path, *flags: str, timeout: float = 300, env:
     not come up within ``timeout`` seconds. ``launcher`` runs ``-m server ...``: this Python,
     or host 0's :func:`torchrun` for a model split across hosts (the other hosts run the
     same command with their own ``node_rank``)."""
-    command = [*launcher, "-m", "server", "--checkpoint", str(checkpoint), "--port", "0", *flags]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(server_command(checkpoint, *flags, launcher=launcher), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
     log: list[str] = []
     lines: queue.Queue[str | None] = queue.Queue()
     threading.Thread(target=_pump, args=(proc, log, lines), daemon=True).start()

@@ -22,11 +22,12 @@ from minillm.distributed.rendezvous import Rank, launched
 from minillm.distributed.workers import WorkerLost
 from minillm.engine import LLM, SamplingParams
 from minillm.model.checkpoint import save_checkpoint
-from server.launch import start_server, torchrun
+from server.launch import server_command, start_server, torchrun
 from tests.models import lively_tiny
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 PROMPT = "Once upon a time there was a little dog"
+SERVER_FLAGS = ("--device", "cpu", "--kv-cache-memory", "16MiB")
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +51,14 @@ def endpoint() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def host(node_rank: int, where: str, *command: str) -> subprocess.Popen:
-    """One of two "hosts": its torchrun launcher running ``command``, output captured."""
-    return subprocess.Popen([*torchrun(node_rank, 2, where), *command], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=ENV)
+def start_host(command: list[str]) -> subprocess.Popen:
+    """One of the two "hosts": its torchrun launcher running ``command``, output captured."""
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
 
 
-def server_flags(checkpoint, *flags: str) -> list[str]:
-    return ["-m", "server", "--checkpoint", str(checkpoint), "--port", "0", "--device", "cpu",
-            "--kv-cache-memory", "16MiB", *flags]
+def host(node_rank: int, where: str, checkpoint, *flags: str) -> subprocess.Popen:
+    """Host ``node_rank``'s launcher running the server on ``checkpoint``."""
+    return start_host(server_command(checkpoint, *SERVER_FLAGS, *flags, launcher=torchrun(node_rank, 2, where)))
 
 
 def finish(process: subprocess.Popen, timeout: float = 60) -> tuple[int, str]:
@@ -76,9 +76,8 @@ def complete(url: str) -> str:
 @pytest.mark.parametrize("split", ["--tensor-parallel-size", "--pipeline-parallel-size"])
 def test_two_launchers_serve_what_one_process_does_and_sigterm_stops_both(checkpoint, one_process, split):
     where = endpoint()
-    worker = host(1, where, *server_flags(checkpoint, split, "2"))
-    server = start_server(checkpoint, "--device", "cpu", "--kv-cache-memory", "16MiB", split, "2",
-                          launcher=torchrun(0, 2, where), env=ENV, timeout=120)
+    worker = host(1, where, checkpoint, split, "2")
+    server = start_server(checkpoint, *SERVER_FLAGS, split, "2", launcher=torchrun(0, 2, where), env=ENV, timeout=120)
     try:
         rank_0, rank_1 = server.rank_pids()
         assert complete(server.url) == one_process
@@ -103,7 +102,7 @@ def test_a_script_launched_on_two_hosts_generates_what_one_process_does(checkpoi
         llm.close()
     """))
     where = endpoint()
-    hosts = [host(r, where, str(script)) for r in (0, 1)]
+    hosts = [start_host([*torchrun(r, 2, where), str(script)]) for r in (0, 1)]
     (code_0, output_0), (code_1, output_1) = [finish(h) for h in hosts]
     assert (code_0, code_1) == (0, 0), output_0 + output_1
     assert f"TEXT {one_process!r}" in output_0
@@ -112,9 +111,9 @@ def test_a_script_launched_on_two_hosts_generates_what_one_process_does(checkpoi
 
 def test_a_killed_worker_is_named_by_rank_0_which_exits(checkpoint):
     where = endpoint()
-    worker = host(1, where, *server_flags(checkpoint, "--pipeline-parallel-size", "2"))
-    server = start_server(checkpoint, "--device", "cpu", "--kv-cache-memory", "16MiB", "--pipeline-parallel-size",
-                          "2", launcher=torchrun(0, 2, where), env=ENV, timeout=120)
+    worker = host(1, where, checkpoint, "--pipeline-parallel-size", "2")
+    server = start_server(checkpoint, *SERVER_FLAGS, "--pipeline-parallel-size", "2", launcher=torchrun(0, 2, where),
+                          env=ENV, timeout=120)
     try:
         _, rank_1 = server.rank_pids()
         os.kill(rank_1, signal.SIGKILL)
@@ -137,8 +136,7 @@ def test_a_killed_worker_is_named_by_rank_0_which_exits(checkpoint):
 ])
 def test_a_worker_that_cannot_start_or_disagrees_is_named_by_rank_0(checkpoint, split, rank_1_flag, message):
     where = endpoint()
-    hosts = [host(0, where, *server_flags(checkpoint, split, "2")),
-             host(1, where, *server_flags(checkpoint, split, "2", "--max-num-seqs", rank_1_flag))]
+    hosts = [host(0, where, checkpoint, split, "2"), host(1, where, checkpoint, split, "2", "--max-num-seqs", rank_1_flag)]
     (code_0, output_0), (code_1, output_1) = [finish(h) for h in hosts]
     assert code_0 != 0 and code_1 != 0
     assert re.search(f"^python -m server: error: {message}$", output_0, re.MULTILINE), output_0  # one line, no trace

@@ -14,10 +14,8 @@ exits.
 from __future__ import annotations
 
 import datetime
-import os
 import pickle
 import signal
-import socket
 import sys
 from multiprocessing.connection import Connection
 from typing import Callable
@@ -26,7 +24,14 @@ import torch
 import torch.distributed as dist
 
 from minillm.decoding.generate import ContiguousKVCache
-from minillm.distributed.rendezvous import connect_to_rank_0, describe, launch_store, launched, post_failure
+from minillm.distributed.rendezvous import (
+    connect_to_rank_0,
+    describe,
+    launch_store,
+    launched,
+    post_failure,
+    this_process,
+)
 from minillm.engine.kv_cache import PagedAttention, PagedKVPool
 from minillm.model.gpt import KVCache
 
@@ -143,7 +148,7 @@ def follow(settings: Callable[[], dict | None] = lambda: None) -> int:
         raise
     with conn:
         try:
-            send_message(conn, ("hello", rank.rank, f"{socket.gethostname()} pid {os.getpid()}", mine))
+            send_message(conn, ("hello", rank.rank, this_process(), mine))
             kind, *rest = receive_message(conn)
             if kind == "stop":  # rank 0 gave up before building anything (another rank failed)
                 return 1

@@ -122,6 +122,11 @@ def telling_the_launch() -> Iterator[None]:
         raise
 
 
+def this_process() -> str:
+    """This process as rank 0's messages and banner name it: ``host pid 1234``."""
+    return f"{socket.gethostname()} pid {os.getpid()}"
+
+
 def reachable_address(peer: str) -> str:
     """This host's address on the route to ``peer`` (the store's host): the one other hosts can
     reach us at. ``MINILLM_HOST_IP`` overrides it, for hosts with several networks."""

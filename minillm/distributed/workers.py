@@ -22,7 +22,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import socket
 import subprocess
 import time
 import weakref
@@ -46,6 +45,7 @@ from minillm.distributed.rendezvous import (
     posted_failure,
     reachable_address,
     spawn_workers,
+    this_process,
 )
 from minillm.engine.config import EngineOptionError
 from minillm.engine.kv_cache import PagedAttention
@@ -225,7 +225,7 @@ class Workers:
 
     def describe(self) -> str:
         """Where every rank runs, for a banner: ``rank 0 (host pid 12) + pipeline stage rank 1 (...)``."""
-        here = f"rank 0 ({socket.gethostname()} pid {os.getpid()})"
+        here = f"rank 0 ({this_process()})"
         return " + ".join([here] + [f"{self.role} {peer}" for peer in self.peers])
 
     def _silent_end(self, index: int) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
-
 from typing import Callable
 
 import torch
@@ -129,10 +128,12 @@ def launch_settings(config: EngineConfig, **options: object) -> dict:
     """What every rank of a torchrun launch must be given alike: the engine's configuration and
     :func:`build_engine`'s options (a model or path as its name), compared by rank 0 at the
     rendezvous. The device is not among them: each rank has its own."""
-    plain = (bool, int, float, str, type(None))
-    values = {**asdict(config), **options}
-    return {name: value if isinstance(value, plain) else str(value) if not isinstance(value, torch.nn.Module)
-            else type(value).__name__ for name, value in values.items()}
+    def comparable(value: object) -> object:
+        if isinstance(value, (bool, int, float, str, type(None))):
+            return value
+        return type(value).__name__ if isinstance(value, torch.nn.Module) else str(value)
+
+    return {name: comparable(value) for name, value in {**asdict(config), **options}.items()}
 
 
 def make_engine(model: GPT, config: EngineConfig, tokenizer: Tokenizer | None, speculator: Speculator | None,
