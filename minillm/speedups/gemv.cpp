@@ -2,7 +2,7 @@
 //
 // At decoding's batch sizes a product's time is the time to read its weight. This kernel
 // streams each weight row once from memory and multiplies it into every row of x while it sits
-// in registers (or, for the later groups of rows, in L1): a tile of R weight rows against G
+// in registers (or, for later groups of rows, in L1): a tile of R weight rows against G
 // rows of x keeps R x G dot products in R x G vector accumulators, and a block of R weight rows
 // meets the rows of x G at a time. Threads split the weight's rows (at::parallel_for), so each
 // reads its own slab once.
@@ -48,6 +48,7 @@ inline void store(bf16* p, float v) { *p = bf16(v); }  // round to nearest even
 // Every tile has the same arguments: R weight rows from `w` (ld_w apart), G rows of x from `x`
 // (K apart), R outputs per row of x into `y` (ld_y apart), plus `bias` (R values) if not null.
 #define TILE_ARGS const T *w, int64_t ld_w, const T *x, int64_t K, const T *bias, T *y, int64_t ld_y
+// `ahead`: where the next block of weight rows starts, prefetched while this one is read (or null)
 
 template <int RR, int GG, typename T>
 inline void finish(const float (&sums)[RR][GG], const T* bias, T* y, int64_t ld_y) {
@@ -60,7 +61,7 @@ inline void finish(const float (&sums)[RR][GG], const T* bias, T* y, int64_t ld_
 struct Scalar {
   static constexpr int R = 4, G = 4;
   template <int RR, int GG, typename T>
-  static void tile(TILE_ARGS) {
+  static void tile(TILE_ARGS, const T*) {
     float sums[RR][GG] = {};
     for (int64_t k = 0; k < K; ++k)
       UNROLL for (int r = 0; r < RR; ++r)
@@ -71,14 +72,16 @@ struct Scalar {
 
 #ifdef MINILLM_X86
 
-// 4 x 4 tiles: 16 accumulators, 4 weight vectors and a row of x in 21 of the 32 registers; each
-// load of x feeds 4 FMAs, each load of a weight 4 more.
+// Tiles of R weight rows by G rows of x, shaped by the row count (see `run`): R x G accumulators,
+// R weight vectors and a row of x fit the 32 registers up to 6 x 4 and 3 x 8. Each load of x
+// feeds R FMAs, each load of a weight G more; the larger the tile, the fewer loads and
+// horizontal sums per FMA, and the fewer passes over a block (each pass but the first reads it
+// from L1, while the memory stream waits).
 struct Avx512 {
-  static constexpr int R = 4, G = 4;
 
   template <int RR, int GG>
   AVX512 static void tile(const float* w, int64_t ld_w, const float* x, int64_t K, const float* bias, float* y,
-                          int64_t ld_y) {
+                          int64_t ld_y, const float* ahead) {
     __m512 acc[RR][GG];
     UNROLL for (int r = 0; r < RR; ++r)
       UNROLL for (int g = 0; g < GG; ++g) acc[r][g] = _mm512_setzero_ps();
@@ -86,6 +89,7 @@ struct Avx512 {
       const __mmask16 m = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
       __m512 wv[RR];
       UNROLL for (int r = 0; r < RR; ++r) wv[r] = _mm512_maskz_loadu_ps(m, w + r * ld_w + k);
+      if (ahead) UNROLL for (int r = 0; r < RR; ++r) _mm_prefetch(reinterpret_cast<const char*>(ahead + r * ld_w + k), _MM_HINT_T0);
       UNROLL for (int g = 0; g < GG; ++g) {
         const __m512 xv = _mm512_maskz_loadu_ps(m, x + g * K + k);
         UNROLL for (int r = 0; r < RR; ++r) acc[r][g] = _mm512_fmadd_ps(wv[r], xv, acc[r][g]);
@@ -101,7 +105,7 @@ struct Avx512 {
   // 16 fp32 sums, so weights and activations stay as stored: no repacking, 32 values a step.
   template <int RR, int GG>
   AVX512 static void tile(const bf16* w, int64_t ld_w, const bf16* x, int64_t K, const bf16* bias, bf16* y,
-                          int64_t ld_y) {
+                          int64_t ld_y, const bf16* ahead) {
     __m512 acc[RR][GG];
     UNROLL for (int r = 0; r < RR; ++r)
       UNROLL for (int g = 0; g < GG; ++g) acc[r][g] = _mm512_setzero_ps();
@@ -109,6 +113,7 @@ struct Avx512 {
       const __mmask32 m = K - k >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (K - k)) - 1);
       __m512i wv[RR];
       UNROLL for (int r = 0; r < RR; ++r) wv[r] = _mm512_maskz_loadu_epi16(m, w + r * ld_w + k);
+      if (ahead) UNROLL for (int r = 0; r < RR; ++r) _mm_prefetch(reinterpret_cast<const char*>(ahead + r * ld_w + k), _MM_HINT_T0);
       UNROLL for (int g = 0; g < GG; ++g) {
         const __m512i xv = _mm512_maskz_loadu_epi16(m, x + g * K + k);
         UNROLL for (int r = 0; r < RR; ++r) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], (__m512bh)wv[r], (__m512bh)xv);
@@ -139,7 +144,7 @@ struct Avx2 {
   static constexpr int R = 4, G = 2;
 
   template <int RR, int GG, typename T>
-  AVX2 static void tile(TILE_ARGS) {
+  AVX2 static void tile(TILE_ARGS, const T*) {
     __m256 acc[RR][GG];
     UNROLL for (int r = 0; r < RR; ++r)
       UNROLL for (int g = 0; g < GG; ++g) acc[r][g] = _mm256_setzero_ps();
@@ -166,16 +171,18 @@ struct Avx2 {
 
 // tile<RR, gg> for a run-time gg in 1..GG (the last group of rows of x may be short).
 template <class Path, int RR, int GG, typename T>
-inline void tile_rows(int gg, TILE_ARGS) {
+inline void tile_rows(int gg, TILE_ARGS, const T* ahead) {
   if constexpr (GG > 0) {
-    if (gg == GG) return Path::template tile<RR, GG>(w, ld_w, x, K, bias, y, ld_y);
-    tile_rows<Path, RR, GG - 1>(gg, w, ld_w, x, K, bias, y, ld_y);
+    if (gg == GG) return Path::template tile<RR, GG>(w, ld_w, x, K, bias, y, ld_y, ahead);
+    tile_rows<Path, RR, GG - 1>(gg, w, ld_w, x, K, bias, y, ld_y, ahead);
   }
 }
 
 // Weight rows [begin, end) against all M rows of x: a block of R weight rows at a time, met by
-// the rows of x G at a time. Only the first group reads the block from memory; the others find
-// it in L1 (R rows of K values: 32 KiB at K = 2,048 in fp32).
+// the rows of x G at a time. Only the first group reads the block from memory, and asks for the
+// next block while it does (a software prefetch: without it, the memory stream stalled while the
+// later groups worked from L1, and 8 rows of the LM head took twice as long as 4); the others
+// find it in L1 (R rows of K values: 32 KiB at K = 2,048 in fp32).
 template <class Path, int R, int G, typename T>
 void rows(int64_t begin, int64_t end, int64_t M, TILE_ARGS) {
   for (int64_t j = begin; j < end; j += R) {
@@ -185,10 +192,12 @@ void rows(int64_t begin, int64_t end, int64_t M, TILE_ARGS) {
       const T* b = bias ? bias + j : nullptr;
       const T *wj = w + j * ld_w, *xg = x + g0 * K;
       T* yg = y + g0 * ld_y + j;
+      const T* ahead = g0 == 0 && j + 2 * R <= end ? wj + R * ld_w : nullptr;
       if (rr == R)
-        tile_rows<Path, R, G>(gg, wj, ld_w, xg, K, b, yg, ld_y);
+        tile_rows<Path, R, G>(gg, wj, ld_w, xg, K, b, yg, ld_y, ahead);
       else  // the last block of a weight whose rows are not a multiple of R: one row at a time
-        for (int r = 0; r < rr; ++r) tile_rows<Path, 1, G>(gg, wj + r * ld_w, ld_w, xg, K, b ? b + r : b, yg + r, ld_y);
+        for (int r = 0; r < rr; ++r)
+          tile_rows<Path, 1, G>(gg, wj + r * ld_w, ld_w, xg, K, b ? b + r : b, yg + r, ld_y, static_cast<const T*>(nullptr));
     }
   }
 }
@@ -232,7 +241,11 @@ std::vector<std::string> small_linear_paths(c10::ScalarType dtype) {
 template <typename T>
 void run(const std::string& path, int64_t N, int64_t M, TILE_ARGS) {
 #ifdef MINILLM_X86
-  if (path == "avx512") return product<Avx512, Avx512::R, Avx512::G, T>(N, M, w, ld_w, x, K, bias, y, ld_y);
+  if (path == "avx512") {  // the shapes timed fastest on AVX-512 for each row count, fp32 and bf16 alike
+    if (M == 1) return product<Avx512, 4, 1, T>(N, M, w, ld_w, x, K, bias, y, ld_y);
+    if (M <= 2 || M > 4) return product<Avx512, 3, 8, T>(N, M, w, ld_w, x, K, bias, y, ld_y);
+    return product<Avx512, 6, 4, T>(N, M, w, ld_w, x, K, bias, y, ld_y);
+  }
   if (path == "avx2") return product<Avx2, Avx2::R, Avx2::G, T>(N, M, w, ld_w, x, K, bias, y, ld_y);
 #endif
   product<Scalar, Scalar::R, Scalar::G, T>(N, M, w, ld_w, x, K, bias, y, ld_y);
