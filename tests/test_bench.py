@@ -87,9 +87,12 @@ def test_decode_summary_quotes_medians_and_the_target_ratios() -> None:
     from minillm.bench.decode import summary
 
     rates = {"ours, captured": {1: [10.0, 30.0, 20.0]}, "ours, eager + packed weights": {1: [40.0]},
-             "ours, plain eager": {1: [5.0]}, "llama.cpp (llama-bench)": {1: [50.0, 50.0]}}
+             "ours, plain eager": {1: [5.0]}, "llama.cpp (llama-bench)": {1: [50.0, 50.0]},
+             "ours, captured, library products": {1: [8.0]}}
     lines = summary({"rates": rates, "roof": {1: 100.0}})
     assert "20.0 [10-30] (20%)" in lines[0]
+    assert "captured with the small-batch kernel vs captured, library products: batch 1 2.50x" in [
+        line.strip() for line in lines]
     assert any(line.strip() == "captured vs llama.cpp (llama-bench): batch 1 0.40x" for line in lines)
     assert any(line.strip() == "eager + packed weights vs llama.cpp (llama-bench): batch 1 0.80x" for line in lines)
 

@@ -10,13 +10,14 @@ from torch.utils._pytree import tree_flatten
 
 from minillm.model.config import get_preset
 from minillm.engine import LLM, build_engine
-from minillm.speedups import decode_graphs
+from minillm.speedups import decode_graphs, gemv
 from minillm.engine.block_allocator import BlockAllocator
 from minillm.speedups.decode_graphs import DecodeGraphs, bucket_sizes, capture_unsupported
 from minillm.engine.kv_cache import PagedKVPool, gather_decode_attention, loop_decode_attention, slot_of
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
 from minillm.model.gpt import GPT
+from minillm.speedups.packed import FEW_ROWS
 from minillm.speedups.quant import quantize_model
 from minillm.decoding.sampling import SamplingParams
 
@@ -207,3 +208,22 @@ def test_an_unknown_capture_mode_is_refused():
     pool = PagedKVPool(get_preset("tiny"), 8, 4, torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="mode must be"):
         DecodeGraphs(_model(), pool, 4, mode="jit")
+
+
+def _operators_run(program) -> set[str]:
+    with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        program()
+    return {event.key for event in prof.key_averages()}
+
+
+def test_a_compiled_cpu_steps_few_row_products_go_through_the_small_batch_kernel(monkeypatch):
+    assert gemv.load()  # a CI machine has a compiler; if this fails, the kernel did not build
+    engine = build_engine(_model(), EngineConfig(num_blocks=16, block_size=4, max_num_seqs=32, enforce_eager=False))
+    graphs = engine.graphs
+    assert "minillm::small_linear" in _operators_run(graphs.program(FEW_ROWS))
+    past = _operators_run(graphs.program(2 * FEW_ROWS))  # more rows: the library's products, as autotuned
+    assert "minillm::small_linear" not in past and any("mm" in name or "linear" in name for name in past)
+    monkeypatch.setattr(gemv, "supports", lambda weight: False)  # a machine where the kernel did not build
+    model = _model()
+    pool = PagedKVPool(model.cfg, 8, 4, torch.device("cpu"), torch.float32)
+    assert DecodeGraphs(model, pool, 4).step.model is model

@@ -159,7 +159,7 @@ def test_the_products_benchmark_times_every_road_and_a_steps_total(kernel, tmp_p
     assert "a step's products" in capsys.readouterr().out and (tmp_path / "products-cpu.png").is_file()
 
 
-def test_the_decode_benchmark_can_pack_without_the_kernel(kernel):
+def test_the_decode_benchmark_can_build_engines_without_the_kernel(kernel):
     from minillm.bench.decode import without_small_kernel
     from minillm.speedups.packed import pack_weights
 
@@ -168,4 +168,7 @@ def test_the_decode_benchmark_can_pack_without_the_kernel(kernel):
         library = pack_weights(model)
     entries = [packed._PACKED[packed._key(m.weight)] for m in library.modules() if isinstance(m, packed.PackedLinear)]
     assert entries and "gemv" not in {road for e in entries for road in (e.one_row, e.few_rows)}
+    with without_small_kernel():
+        assert packed.small_batch_products(model) is None  # a compiled step keeps Inductor's products
     assert gemv.supports(model.tok_emb.weight)  # only while it built the engine
+    assert packed.small_batch_products(model) is not None

@@ -40,7 +40,8 @@ from minillm.decoding.sampling import SamplingParams
 
 OPERATOR_KINDS = {
     "matrix products": ("mm", "addmm", "bmm", "linear", "matmul", "baddbmm", "_weight_int8pack_mm",
-                        "_weight_int4pack_mm", "mkldnn", "mkl_linear", "_linear_pointwise", "packed_linear"),
+                        "_weight_int4pack_mm", "mkldnn", "mkl_linear", "_linear_pointwise", "packed_linear",
+                        "small_linear"),
     "attention": ("scaled_dot_product", "_flash_attention", "index_select", "index_copy", "padded_decode_attention",
                   "softmax"),
     "elementwise": ("layer_norm", "gelu", "add", "mul", "div", "tanh", "where", "masked_fill", "cpp_fused",

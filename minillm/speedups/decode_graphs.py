@@ -5,7 +5,9 @@ times per step: at batch 1 on a GPU, most of the step. A decode-only step padded
 (1, 2, 4, 8, ...) and reading its inputs from buffers that never move has one of a handful of
 shapes, so it can be prepared once and replayed: on CUDA as a **CUDA graph** per bucket (as
 vLLM and nano-vllm do), on a CPU through **torch.compile** (Inductor fuses the elementwise
-chains and times two matrix kernels per shape, caching both in ``.cache/inductor``).
+chains; products of up to 16 rows call the small-batch kernel, :mod:`minillm.speedups.gemv`,
+and larger ones the faster of two matrix kernels Inductor times per shape; all cached in
+``.cache/inductor``).
 
 Padding rows write into the pool's pad block and their tokens are dropped. The eager path
 stays the reference (``enforce_eager``): greedy tokens must be identical.
@@ -28,6 +30,7 @@ from minillm.engine.memory import weight_bytes
 from minillm.engine.model_runner import LENGTH, POSITION, TABLE, StagedDecodes, with_pending
 from minillm.model.gpt import GPT
 from minillm.settings import cache_dir
+from minillm.speedups.packed import small_batch_products
 from minillm.speedups.quant import is_quantized
 
 # Inductor's settings for a CPU decode step: "freezing" makes the weights constants it may lay
@@ -119,6 +122,8 @@ class DecodeGraphs:
         self.mode = mode or capture_mode(model.device)
         if self.mode not in ("compile", "cuda-graph"):
             raise ValueError(f"mode must be 'compile' or 'cuda-graph', got {self.mode!r}")
+        if self.mode == "compile":  # few-row products through the small-batch kernel, where it builds
+            model = small_batch_products(model) or model
         self.step = DecodeStep(model, pool, kernels, trim=self.mode == "compile")
         self.buckets = bucket_sizes(max_batch)
         size, device = self.buckets[-1], model.device

@@ -212,11 +212,58 @@ def pack_weights(model: GPT) -> GPT:
     reason = packing_unsupported(model)
     if reason is not None:
         raise ValueError(reason)
+    return with_products(model, PackedLinear, PackedTokenEmbedding)
+
+
+def with_products(model: GPT, linear: type[nn.Module], embedding: type[TokenEmbedding]) -> GPT:
+    """A copy of ``model`` sharing its parameters, each ``nn.Linear`` replaced by
+    ``linear(it)`` and the token table by ``embedding(it)``: the same model, multiplying
+    another way."""
     shared = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    packed = copy.deepcopy(model, memo=shared)
-    for module in list(packed.modules()):
+    copied = copy.deepcopy(model, memo=shared)
+    for module in list(copied.modules()):
         for name, child in module.named_children():
             if type(child) is nn.Linear:
-                setattr(module, name, PackedLinear(child))
-    packed.tok_emb = PackedTokenEmbedding(packed.tok_emb)
-    return packed
+                setattr(module, name, linear(child))
+    copied.tok_emb = embedding(copied.tok_emb)
+    return copied
+
+
+def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through the small-batch kernel for up to :data:`FEW_ROWS`
+    rows. Meant for a compiled step: the row count is fixed when a program is traced, so each
+    program takes one road, and Inductor fuses what lies between the products."""
+    if x.numel() // x.shape[-1] <= FEW_ROWS:
+        return gemv.small_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class SmallBatchLinear(nn.Module):
+    """An ``nn.Linear`` multiplying by :func:`small_batch_linear`."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return small_batch_linear(x, self.weight, self.bias)
+
+
+class SmallBatchTokenEmbedding(TokenEmbedding):
+    """The token table, its tied projection by :func:`small_batch_linear`."""
+
+    def __init__(self, embedding: TokenEmbedding) -> None:
+        super().__init__(embedding.num_embeddings, embedding.embedding_dim, _weight=embedding.weight)
+        self.weight = embedding.weight
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        return small_batch_linear(hidden, self.weight, None)
+
+
+def small_batch_products(model: GPT) -> GPT | None:
+    """A copy of ``model`` whose few-row products go through the small-batch kernel, for a
+    compiled CPU step; None where the kernel cannot multiply by its weights (another device or
+    dtype, no compiler)."""
+    if not gemv.supports(model.tok_emb.weight):
+        return None
+    return with_products(model, SmallBatchLinear, SmallBatchTokenEmbedding)
