@@ -108,8 +108,10 @@ FLAGS: list[tuple[str, Callable[[str], object], str]] = [
                                       "overlap"),
     ("--attention", str.lower, "torch | torch-loop (chapter 8's one-sequence-at-a-time decode) | triton "
                                "(chapter 16's kernels: a CUDA GPU and `pip install -e .[triton]`; on a CPU "
-                               "Triton's interpreter, exact but very slow); default: triton on a CUDA GPU "
-                               "where Triton is installed, torch elsewhere"),
+                               "Triton's interpreter, exact but very slow) | cpu (a C++ decode attention that "
+                               "reads the KV cache in place, built on first use); default, in one process: "
+                               "triton on a CUDA GPU where Triton is installed, cpu on a CPU where a C++ "
+                               "compiler is, torch elsewhere"),
     ("--speculative-draft", str, "speculative decoding (chapter 15): a draft model's checkpoint, or `ngram` for "
                                  "prompt lookup; every decoding request of a step drafts, up to the batch size "
                                  "where speculation stops paying"),

@@ -1,7 +1,9 @@
-"""Shared fixtures: every test that writes caches does so in its own temporary MINILLM_HOME."""
+"""Shared fixtures: every test that writes caches does so in its own temporary MINILLM_HOME; the
+CPU's C++ kernels, built once."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +43,15 @@ def built_book(tmp_path_factory) -> Path:
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out / "_build" / "html"
+
+
+@pytest.fixture(scope="session")
+def kernel() -> None:
+    """The CPU's C++ kernels (minillm.speedups.gemv), built once per session; a machine with a
+    C++ compiler must build them."""
+    from minillm.speedups import gemv
+
+    if not gemv.load():
+        if shutil.which("c++") or shutil.which("g++"):
+            pytest.fail("a C++ compiler is here, yet the CPU kernels did not build (see the warning)")
+        pytest.skip("no C++ compiler: the CPU kernels cannot be built here")

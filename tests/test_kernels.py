@@ -173,22 +173,24 @@ def test_attention_backend_is_checked() -> None:
 
 def test_attention_by_default_is_the_paged_kernel_only_on_one_gpu_where_triton_compiles(monkeypatch) -> None:
     """``attention=None`` takes the Triton kernels for a model on one CUDA device where Triton
-    compiles, and the torch path anywhere else, without asking for Triton there."""
+    compiles, and not anywhere else, without asking for Triton there (on a CPU it takes the C++
+    kernel, tests/test_decode_attention.py, for the dtypes it reads, else the torch path)."""
     from minillm.engine import build
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     asked = []
     monkeypatch.setattr(runtime, "require_triton", lambda device: asked.append(device))
     monkeypatch.setattr(build, "triton_compiles", lambda: True)
-    assert build.attention_kernels(EngineConfig(), cpu) is None
-    assert build.attention_kernels(EngineConfig(tensor_parallel_size=2), cuda) is None
-    assert build.attention_kernels(EngineConfig(pipeline_parallel_size=2), cuda) is None
-    assert build.attention_kernels(EngineConfig(attention="torch"), cuda) is None
+    bf16 = torch.bfloat16
+    assert build.attention_kernels(EngineConfig(), cpu, torch.float16) is None
+    assert build.attention_kernels(EngineConfig(tensor_parallel_size=2), cuda, bf16) is None
+    assert build.attention_kernels(EngineConfig(pipeline_parallel_size=2), cuda, bf16) is None
+    assert build.attention_kernels(EngineConfig(attention="torch"), cuda, bf16) is None
     assert asked == []
-    kernels = build.attention_kernels(EngineConfig(), cuda)
+    kernels = build.attention_kernels(EngineConfig(), cuda, bf16)
     assert kernels is not None and kernels.name == "triton" and asked == [cuda]
     monkeypatch.setattr(build, "triton_compiles", lambda: False)  # not installed, or interpreting
-    assert build.attention_kernels(EngineConfig(), cuda) is None
+    assert build.attention_kernels(EngineConfig(), cuda, bf16) is None
     assert parse_args([]).engine_config().attention is None
 
 

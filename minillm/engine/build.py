@@ -21,10 +21,11 @@ from minillm.engine.config import EngineConfig, EngineOptionError
 from minillm.engine.kv_cache import AttentionKernels
 from minillm.engine.llm_engine import LLMEngine, Speedups
 from minillm.engine.memory import MemoryBudgetError
+from minillm.speedups import gemv
 from minillm.speedups.decode_graphs import Capture, capture_mode, capture_unsupported
 from minillm.speedups.packed import pack_weights, packing_unsupported
 from minillm.speedups.speculative.speculator import SpeculativeEngine, Speculator
-from minillm.model.gpt import GPT
+from minillm.model.gpt import GPT, fused_attention
 from minillm.speedups.quant import cast_and_quantize, check_scheme
 from minillm.data.tokenizer import Tokenizer
 from minillm.machine.hardware import resolve_dtype
@@ -153,7 +154,7 @@ def plug_in(model: GPT, config: EngineConfig) -> tuple[GPT, Speedups]:
     """The model the engine runs (``model``, or its weight-packed copy) and the plug-ins
     ``config`` asks for (captured decode steps, Triton attention), each decided here once."""
     model = model.eval()
-    kernels = attention_kernels(config, model.device)
+    kernels = attention_kernels(config, model.device, model.dtype)
     reason = eager_reason(model, config)
     capture = None if reason is not None else Capture(model, config.max_num_seqs, kernels, capture_mode(model.device))
     return packed_if_asked(model, config), Speedups(kernels, capture, reason)
@@ -182,21 +183,30 @@ def packed_if_asked(model: GPT, config: EngineConfig) -> GPT:
     return model
 
 
-def attention_kernels(config: EngineConfig, device: torch.device) -> AttentionKernels | None:
-    """Chapter 16's Triton kernels for ``attention="triton"`` (None for the others), checked
-    now to run on ``device`` rather than failing in the first request.
+def attention_kernels(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> AttentionKernels | None:
+    """The kernels ``config.attention`` names (None for the torch paths), checked now to run
+    on ``device`` rather than failing in the first request: chapter 16's Triton kernels, or
+    the CPU's C++ decode attention.
 
-    ``attention=None`` takes them on a CUDA GPU where Triton compiles, for a model on one
-    device: a captured step's torch attention gathers every row's whole block table (it cannot
-    ask the device how long the longest row is without stalling), where the paged kernel stops
-    at each row's length; on an H200 the engine decoded 5.1x as many tokens/s with it (the GPU
-    check's attention step, 64 requests of 128 tokens)."""
+    ``attention=None`` takes them for a model in one process: Triton on a CUDA GPU where it
+    compiles (a captured step's torch attention gathers every row's whole block table, since
+    it cannot ask the device how long the longest row is without stalling, where the paged
+    kernel stops at each row's length; on an H200 the engine decoded 5.1x as many tokens/s with
+    it, the GPU check's attention step, 64 requests of 128 tokens), the C++ kernel on a CPU
+    where it builds (the gather, its mask and its fused call cost about 300 us a layer in a
+    compiled step at batch 1 on a 2-core Xeon, the kernel 45)."""
     attention = config.attention
     if attention is None:
-        one_device = config.tensor_parallel_size == config.pipeline_parallel_size == 1
-        if not (one_device and device.type == "cuda" and triton_compiles()):
-            return None
-        attention = "triton"
+        one_process = config.tensor_parallel_size == config.pipeline_parallel_size == 1
+        if one_process and device.type == "cuda" and triton_compiles():
+            attention = "triton"
+        elif one_process and device.type == "cpu" and dtype in gemv.DTYPES and gemv.load():
+            attention = "cpu"
+    if attention == "cpu":
+        if device.type != "cpu" or dtype not in gemv.DTYPES or not gemv.load():
+            raise EngineOptionError("attention", f"attention='cpu' needs float32 or bfloat16 on a CPU and the C++ "
+                                                 f"kernels built (minillm/speedups/gemv.py), not {dtype} on {device}")
+        return AttentionKernels("cpu", gemv.paged_decode, fused_attention)
     if attention != "triton":
         return None
     from minillm.speedups.kernels.runtime import TritonUnavailable, require_triton  # sets TRITON_INTERPRET

@@ -49,8 +49,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     pipeline_micro_batches: int | None = None
-    # "triton": chapter 16's kernels (CUDA, or the interpreter on a CPU). None picks them on a CUDA
-    # GPU where Triton compiles, for a model on one device, and "torch" elsewhere (build_engine)
+    # "triton": chapter 16's kernels (CUDA, or the interpreter on a CPU); "cpu": the C++ decode
+    # attention. None picks, for a model in one process, "triton" on a CUDA GPU where Triton
+    # compiles and "cpu" on a CPU where the C++ kernels build, else "torch" (build_engine)
     attention: str | None = None
     # Decode-only steps as captured programs (minillm.speedups.decode_graphs, wired in by build_engine):
     # True keeps every step eager (the reference); False captures wherever the model allows (not
@@ -74,8 +75,8 @@ class EngineConfig:
         if self.attention is not None and self.attention not in ATTENTION_BACKENDS:
             raise EngineOptionError("attention", f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, "
                                                  f"got {self.attention!r}")
-        if self.attention == "triton" and self.tensor_parallel_size > 1:
-            raise EngineOptionError("attention", "attention='triton' runs on one device; use it with "
+        if self.attention in ("triton", "cpu") and self.tensor_parallel_size > 1:
+            raise EngineOptionError("attention", f"attention={self.attention!r} runs on one device; use it with "
                                                  "tensor_parallel_size=1")
         for name in ("tensor_parallel_size", "pipeline_micro_batches", "block_size", "max_num_seqs",
                      "max_num_batched_tokens", "num_blocks"):
@@ -113,6 +114,7 @@ class EngineConfig:
         clashes = {
             "tensor_parallel_size > 1": self.tensor_parallel_size > 1,
             "attention='triton'": self.attention == "triton",
+            "attention='cpu'": self.attention == "cpu",
             "memory_budget": self.memory_budget is not None,
             "enforce_eager=False": self.enforce_eager is False,
             "pack_weights=True": self.pack_weights is True,

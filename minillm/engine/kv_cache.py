@@ -20,8 +20,9 @@ from minillm.model.config import ModelConfig
 from minillm.model.gpt import fused_attention
 
 # How decodes attend: "torch" gathers length-sorted groups, one fused call each; "torch-loop"
-# one sequence at a time (chapter 8's foil); "triton" by chapter 16's kernels, in place.
-ATTENTION_BACKENDS = ("torch", "torch-loop", "triton")
+# one sequence at a time (chapter 8's foil); "triton" by chapter 16's kernels, in place; "cpu"
+# by a C++ operator that reads the pool in place on a CPU (minillm.speedups.gemv).
+ATTENTION_BACKENDS = ("torch", "torch-loop", "triton", "cpu")
 
 
 @dataclass(frozen=True)

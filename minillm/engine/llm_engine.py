@@ -396,7 +396,7 @@ class LLMEngine:
 def _plain_core(config: EngineConfig) -> Speedups:
     """The plain core's plug-ins: none. An option that asks for one outright is refused."""
     asks = {"enforce_eager=False": config.enforce_eager is False, "pack_weights=True": config.pack_weights is True,
-            "attention='triton'": config.attention == "triton"}
+            "attention='triton'": config.attention == "triton", "attention='cpu'": config.attention == "cpu"}
     for option, asked in asks.items():
         if asked:
             raise ValueError(f"{option} needs a plug-in: build the engine with minillm.engine.build_engine (or LLM), "

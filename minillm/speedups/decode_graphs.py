@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from minillm.speedups.graph_attention import PaddedDecodeAttention, decode_backend
+from minillm.speedups.graph_attention import CPU_KERNEL, PaddedDecodeAttention, decode_backend
 from minillm.engine.kv_cache import AttentionKernels, PagedKVPool
 from minillm.engine.memory import weight_bytes
 from minillm.engine.model_runner import LENGTH, POSITION, TABLE, StagedDecodes, with_pending
@@ -95,9 +95,9 @@ class DecodeStep(nn.Module):
     weights as the module's parameters (constants, once frozen), while the KV pool and the
     step's buffers come in as inputs."""
 
-    def __init__(self, model: GPT, pool: PagedKVPool, kernels: AttentionKernels | None, trim: bool) -> None:
+    def __init__(self, model: GPT, pool: PagedKVPool, backend: str, trim: bool) -> None:
         super().__init__()
-        self.model, self.pool, self.backend, self.trim = model, pool, decode_backend(kernels), trim
+        self.model, self.pool, self.backend, self.trim = model, pool, backend, trim
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 tables: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,9 +122,10 @@ class DecodeGraphs:
         self.mode = mode or capture_mode(model.device)
         if self.mode not in ("compile", "cuda-graph"):
             raise ValueError(f"mode must be 'compile' or 'cuda-graph', got {self.mode!r}")
+        backend = CPU_KERNEL if kernels is not None and kernels.name == CPU_KERNEL else decode_backend(kernels)
         if self.mode == "compile":  # few-row products through the small-batch kernel, where it builds
             model = small_batch_products(model) or model
-        self.step = DecodeStep(model, pool, kernels, trim=self.mode == "compile")
+        self.step = DecodeStep(model, pool, backend, trim=self.mode == "compile")
         self.buckets = bucket_sizes(max_batch)
         size, device = self.buckets[-1], model.device
         width = -(-model.cfg.context_length // pool.block_size)

@@ -31,27 +31,31 @@ from minillm.settings import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("gemv.cpp")
+# The kernel, and beside it in the same build a decode step's attention over the paged pool
+# (``decode_attention.cpp``), which a compiled CPU step calls instead of a gather.
+SOURCES = (Path(__file__).with_name("gemv.cpp"), Path(__file__).with_name("decode_attention.cpp"))
 DTYPES = (torch.float32, torch.bfloat16)
 
 _loaded: bool | None = None  # None: not tried yet in this process
 
 
 def build() -> None:
-    """Compile ``gemv.cpp`` (or find it compiled) and load it; raises if that fails."""
+    """Compile :data:`SOURCES` (or find them compiled) and load them; raises if that fails."""
     from torch.utils import cpp_extension
 
     scripts = sysconfig.get_path("scripts")  # where pip put ninja, if the environment is not activated
     if shutil.which("ninja") is None and shutil.which("ninja", path=scripts):
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-    text = SOURCE.read_bytes()
+    text = b"".join(source.read_bytes() for source in SOURCES)
     tag = hashlib.sha256(text + f"{torch.__version__} {sys.version} {platform.machine()}".encode()).hexdigest()[:12]
     # -fopenmp: at::parallel_for splits the rows over the threads only where it is compiled with
     # OpenMP; without it the kernel runs on one thread, silently
-    cpp_extension.load(name="minillm_gemv", sources=[str(SOURCE)], extra_cflags=["-O3", "-std=c++17", "-fopenmp"],
+    cpp_extension.load(name="minillm_gemv", sources=[str(source) for source in SOURCES],
+                       extra_cflags=["-O3", "-std=c++17", "-fopenmp"],
                        extra_ldflags=["-fopenmp"], build_directory=str(cache_dir("extensions", f"gemv-{tag}")),
                        is_python_module=False)
     torch.library.register_fake("minillm::small_linear")(_fake)
+    torch.library.register_fake("minillm::decode_attention")(_fake_attention)
 
 
 def load() -> bool:
@@ -92,3 +96,26 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def _fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, path: str = "") -> torch.Tensor:
     """The operator's output without running it: what a compiler's tracing needs."""
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, layer: int, tables: torch.Tensor,
+                     lengths: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                     slots: torch.Tensor | None = None) -> torch.Tensor:
+    """One layer of a decode step's attention on a CPU, reading the pool in place: ``q``
+    ``[B, heads, head_dim]``, each row attending over its first ``lengths`` positions through
+    ``tables`` (``[B, W]`` block ids) in layer ``layer`` of the pools (``[layers, blocks,
+    block_size, heads, head_dim]``). ``k`` and ``v`` (``q``'s shape), if given, are written at
+    ``slots`` first. What :func:`~minillm.engine.kv_cache.gather_decode_attention` computes,
+    without the gather. Returns ``[B, heads, head_dim]``. Call :func:`load` first."""
+    return torch.ops.minillm.decode_attention(q, k_pool, v_pool, layer, tables, lengths, k, v, slots)
+
+
+def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                 lengths: torch.Tensor) -> torch.Tensor:
+    """:func:`decode_attention` over one layer of the pool (``[blocks, block_size, heads,
+    head_dim]``), nothing written: the ``decode`` of the CPU's attention kernels."""
+    return decode_attention(q, k_pool[None], v_pool[None], 0, tables, lengths)
+
+
+def _fake_attention(q, k_pool, v_pool, layer, tables, lengths, k=None, v=None, slots=None):  # noqa: ANN001, ANN202
+    return q.new_empty(q.shape)

@@ -3,7 +3,9 @@
 A captured decode step (:mod:`minillm.speedups.decode_graphs`) has ``B`` rows padded to a
 bucket and block tables ``[B, W]`` as wide as the context allows. This operator writes one
 layer's new keys and values and attends as an eager decode does
-(:func:`~minillm.engine.kv_cache.gather_decode_attention`), or by the engine's kernels.
+(:func:`~minillm.engine.kv_cache.gather_decode_attention`), or by the engine's kernels. A
+compiled CPU step calls the C++ decode attention instead where it builds
+(:func:`minillm.speedups.gemv.decode_attention`: no gather, no Python in the step).
 
 Registered with ``torch.library`` (``padded_decode_op``), it is one node to ``torch.compile``,
 so on a CPU it can read only the blocks the longest row needs (``trim``): traced, that width
@@ -18,10 +20,15 @@ from typing import Callable
 import torch
 
 from minillm.engine.kv_cache import AttentionKernels, PagedKVPool, gather_decode_attention
+from minillm.speedups import gemv
 
 # The decode attentions the operator can run, by name (an operator's arguments are tensors and
 # plain values, not functions): the gather, and the kernels a captured engine was built with.
 DECODE_ATTENTION: dict[str, Callable[..., torch.Tensor]] = {"torch": gather_decode_attention}
+# The backend that is not this operator at all: the CPU's C++ decode attention (the engine's
+# attention="cpu"), itself an operator a compiled step calls directly, which writes the pool and
+# reads it in place
+CPU_KERNEL = "cpu"
 
 
 def padded_decode_attention(
@@ -82,6 +89,11 @@ class PaddedDecodeAttention:
         self.trim, self.backend = trim, backend
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.backend == CPU_KERNEL:  # [1, heads, B, head_dim] <-> the kernel's [B, heads, head_dim]
+            rows = [t[0].transpose(0, 1) for t in (q, k, v)]
+            out = gemv.decode_attention(rows[0], self.pool.k, self.pool.v, layer, self.tables, self.lengths,
+                                        rows[1], rows[2], self.slots)
+            return out.transpose(0, 1)[None]
         attention = padded_decode_op if self.trim else padded_decode_attention  # a CUDA graph records its kernels
         return attention(
             q, k, v, self.pool.k, self.pool.v, layer, self.slots, self.tables, self.lengths, self.trim, self.backend
