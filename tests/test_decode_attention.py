@@ -85,15 +85,15 @@ PROMPTS = [[5, 6, 7], [100, 200, 300, 400, 500] * 5, [9], [42, 43] * 9]
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("eager", [True, False])
-def test_the_cpu_engine_attends_by_the_kernel_with_the_torch_paths_tokens(kernel, eager):
+@pytest.mark.parametrize("captured", [False, True])
+def test_the_cpu_engine_attends_by_the_kernel_with_the_plain_paths_tokens(kernel, captured):
     model = tiny_model()
-    options = dict(num_blocks=48, block_size=4, enforce_eager=eager)
-    default = LLM(model, **options)
+    options = dict(num_blocks=48, block_size=4)
+    default = LLM(model, **options, enforce_eager=False if captured else None)
     assert getattr(default.engine.runner.attention, "name", None) == "cpu"
-    reference = LLM(model, attention="torch", **options)
-    assert reference.engine.runner.attention == "torch"
-    outputs = [[o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] for llm in (default, reference)]
+    plain = LLM(model, **options, enforce_eager=True)  # the reference path gathers
+    assert plain.engine.runner.attention == "torch"
+    outputs = [[o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] for llm in (default, plain)]
     assert outputs[0] == outputs[1]
 
 

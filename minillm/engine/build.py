@@ -193,14 +193,15 @@ def attention_kernels(config: EngineConfig, device: torch.device, dtype: torch.d
     it cannot ask the device how long the longest row is without stalling, where the paged
     kernel stops at each row's length; on an H200 the engine decoded 5.1x as many tokens/s with
     it, the GPU check's attention step, 64 requests of 128 tokens), the C++ kernel on a CPU
-    where it builds (the gather, its mask and its fused call cost about 300 us a layer in a
-    compiled step at batch 1 on a 2-core Xeon, the kernel 45)."""
+    where it builds, unless ``enforce_eager`` asks for the plain reference path (the gather,
+    its mask and its fused call cost about 300 us a layer in a compiled step at batch 1 on a
+    2-core Xeon, the kernel 47)."""
     attention = config.attention
     if attention is None:
         one_process = config.tensor_parallel_size == config.pipeline_parallel_size == 1
         if one_process and device.type == "cuda" and triton_compiles():
             attention = "triton"
-        elif one_process and device.type == "cpu" and dtype in gemv.DTYPES and gemv.load():
+        elif one_process and device.type == "cpu" and not config.enforce_eager and dtype in gemv.DTYPES and gemv.load():
             attention = "cpu"
     if attention == "cpu":
         if device.type != "cpu" or dtype not in gemv.DTYPES or not gemv.load():

@@ -51,7 +51,8 @@ class EngineConfig:
     pipeline_micro_batches: int | None = None
     # "triton": chapter 16's kernels (CUDA, or the interpreter on a CPU); "cpu": the C++ decode
     # attention. None picks, for a model in one process, "triton" on a CUDA GPU where Triton
-    # compiles and "cpu" on a CPU where the C++ kernels build, else "torch" (build_engine)
+    # compiles and "cpu" on a CPU where the C++ kernels build (unless enforce_eager=True, the
+    # plain reference), else "torch" (build_engine)
     attention: str | None = None
     # Decode-only steps as captured programs (minillm.speedups.decode_graphs, wired in by build_engine):
     # True keeps every step eager (the reference); False captures wherever the model allows (not
