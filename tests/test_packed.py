@@ -120,8 +120,9 @@ def test_each_row_count_takes_its_timed_road_and_many_rows_the_packed_kernel(mon
     few = FEW[road]
     if "gemv" in (road, few) and not gemv.load():
         pytest.skip("the small-batch kernel did not build here")
-    # whatever this machine would time, the roads under test are the fastest
+    # whatever this machine would time, the roads under test are the fastest, at one row too
     monkeypatch.setattr(packed, "_ROADS", {})
+    monkeypatch.setattr(packed, "streams_one_row", lambda weight: False)
     monkeypatch.setattr(packed, "time_roads", lambda w, p, slabs, rows: {
         "slabs": 4.0, "packed": 3.0, "plain": 2.0, "gemv": 1.0, road if rows == 1 else few: 0.0})
     torch.manual_seed(0)
@@ -156,6 +157,7 @@ def test_the_roads_are_the_fastest_timed_and_timed_once_per_shape_and_row_count(
 
     monkeypatch.setattr(packed, "_ROADS", {})
     monkeypatch.setattr(packed, "time_roads", fake_time)
+    monkeypatch.setattr(packed, "streams_one_row", lambda weight: False)
     torch.manual_seed(0)
     a, b, c = nn.Linear(64, 58), nn.Linear(64, 58), nn.Linear(64, 7)  # 7 rows cannot be split
     keep = [PackedLinear(m) for m in (a, b, c)]
@@ -168,3 +170,47 @@ def test_the_roads_are_the_fastest_timed_and_timed_once_per_shape_and_row_count(
         seconds = time_roads(a.weight, entries[0].packed, slabs, rows)
         assert set(seconds) == roads | kernel and all(t > 0 for t in seconds.values())
     del keep
+
+
+@torch.inference_mode()
+def test_one_row_takes_the_streaming_kernel_untimed(monkeypatch):
+    """Timed alone, a weight is warm in cache; one row, a read from memory, takes the kernel
+    where its streaming path runs, whatever that timing says."""
+    monkeypatch.setattr(packed, "_ROADS", {})
+    monkeypatch.setattr(packed, "time_roads", lambda w, p, slabs, rows: {"packed": 0.0, "plain": 3.0, "slabs": 4.0,
+                                                                        "gemv": 1.0})
+    monkeypatch.setattr(gemv, "supports", lambda weight: True)  # so that the rule, not this CPU, decides
+    torch.manual_seed(0)
+    for streams in (True, False):
+        monkeypatch.setattr(packed, "streams_one_row", lambda weight: streams)
+        layer = nn.Linear(64, 32 + streams)  # a shape of its own each time: nothing cached
+        keep = PackedLinear(layer)
+        entry = packed._PACKED[packed._key(layer.weight)]
+        assert entry.one_row == ("gemv" if streams else "packed") and entry.few_rows == "packed"
+        del keep
+
+
+@torch.inference_mode()
+def test_a_compiled_step_takes_the_kernel_at_the_rows_it_was_timed_fastest_in_step_order(monkeypatch):
+    """Each road is timed over all the weights in order, each call's time added to its shape's."""
+    if not gemv.load():
+        pytest.skip("the small-batch kernel did not build here")
+    monkeypatch.setattr(packed, "_KERNEL_ROWS", {})
+    clock, calls = iter(range(10**6)), []
+
+    def multiply(road, rows, weight, copy, slabs, bias=None):
+        calls.append((road, rows.shape[0], tuple(weight.shape)))
+        next(clock)  # each call takes one tick of the fake clock, plus its road's and shape's cost:
+        extra = {"gemv": 0 if rows.shape[0] <= 2 or weight.shape[0] == 8 else 2, "packed": 1, "plain": 3}[road]
+        for _ in range(extra):
+            next(clock)
+
+    monkeypatch.setattr(packed, "multiply", multiply)
+    monkeypatch.setattr(packed.time, "perf_counter", lambda: next(clock))
+    torch.manual_seed(0)
+    weights = [torch.randn(8, 16), torch.randn(12, 16), torch.randn(8, 16)]
+    rows = packed.kernel_rows(weights, rounds=3)
+    assert rows == {(8, 16): frozenset({1, 2, 4, 8, 16}), (12, 16): frozenset({1, 2})}
+    # every road, every bucket, (1 untimed + 3) passes over all three weights in order
+    assert len(calls) == 5 * 4 * 3 * 3 and calls[:3] == [("gemv", 1, (8, 16)), ("gemv", 1, (12, 16)), ("gemv", 1, (8, 16))]
+    assert packed.kernel_rows(weights, rounds=3) is rows and len(calls) == 5 * 4 * 3 * 3  # once per process

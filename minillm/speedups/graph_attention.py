@@ -4,8 +4,8 @@ A captured decode step (:mod:`minillm.speedups.decode_graphs`) has ``B`` rows pa
 bucket and block tables ``[B, W]`` as wide as the context allows. This operator writes one
 layer's new keys and values and attends as an eager decode does
 (:func:`~minillm.engine.kv_cache.gather_decode_attention`), or by the engine's kernels. A
-compiled CPU step calls the C++ decode attention instead where it builds
-(:func:`minillm.speedups.gemv.decode_attention`: no gather, no Python in the step).
+compiled CPU step whose engine attends by the C++ kernel (``attention="cpu"``, the CPU default)
+calls :func:`minillm.speedups.gemv.decode_attention` instead: no gather, no Python in the step.
 
 Registered with ``torch.library`` (``padded_decode_op``), it is one node to ``torch.compile``,
 so on a CPU it can read only the blocks the longest row needs (``trim``): traced, that width

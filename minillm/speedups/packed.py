@@ -15,7 +15,9 @@ per shape at one row and at :data:`TIMED_ROWS` (:func:`road`); more rows take on
 :func:`pack_weights` returns a copy of the model that shares every parameter and multiplies
 through the packed copies (the only new memory). Eager steps only (a compiled step lets
 Inductor lay weights out), on a CPU, in float32, and in bfloat16 where oneDNN runs it (it needs
-AVX-512; the kernel's bf16 path needs AVX512-BF16, and is timed only where it has it).
+AVX-512; the kernel's bf16 path needs AVX512-BF16, and is timed only where it has it). A
+compiled step takes :func:`small_batch_products` instead: the same model, its few-row products
+through the kernel, the rest left to Inductor.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import statistics
 import time
 import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -114,9 +117,19 @@ def _pack(owner: nn.Module, weight: torch.Tensor) -> None:
         weight = weight.detach()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         slabs = slabs_for(weight.shape[0], torch.get_num_threads()) if weight.is_contiguous() else 1
-        _PACKED[key] = PackedWeight(packed, 1, road(weight, packed, slabs, 1), road(weight, packed, slabs, TIMED_ROWS),
-                                    slabs)
+        one_row = "gemv" if streams_one_row(weight) else road(weight, packed, slabs, 1)
+        _PACKED[key] = PackedWeight(packed, 1, one_row, road(weight, packed, slabs, TIMED_ROWS), slabs)
     weakref.finalize(owner, _release, key)
+
+
+def streams_one_row(weight: torch.Tensor) -> bool:
+    """Whether a one-row product by ``weight`` takes the small-batch kernel without timing: where
+    its AVX-512 path runs (the one that asks for the next block of weight rows while it reads
+    one). One row is a read of the weight from memory, and a road timed alone finds its weight
+    warm in a cache on every call but the first, which is not how a step finds it: on a 2-core
+    Xeon (51M shape, fp32) the timing picked oneDNN's kernel for some shapes, and a step with
+    oneDNN for every one-row product took 16-18 ms against 10.3-10.9 with the kernel for all."""
+    return gemv.supports(weight) and gemv.paths(weight.dtype)[0] == "avx512"
 
 
 # The fastest road by (shape, dtype, threads, slabs, rows): timed once per process.
@@ -215,7 +228,8 @@ def pack_weights(model: GPT) -> GPT:
     return with_products(model, PackedLinear, PackedTokenEmbedding)
 
 
-def with_products(model: GPT, linear: type[nn.Module], embedding: type[TokenEmbedding]) -> GPT:
+def with_products(model: GPT, linear: Callable[[nn.Linear], nn.Module],
+                  embedding: Callable[[TokenEmbedding], TokenEmbedding]) -> GPT:
     """A copy of ``model`` sharing its parameters, each ``nn.Linear`` replaced by
     ``linear(it)`` and the token table by ``embedding(it)``: the same model, multiplying
     another way."""
@@ -229,41 +243,82 @@ def with_products(model: GPT, linear: type[nn.Module], embedding: type[TokenEmbe
     return copied
 
 
-def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through the small-batch kernel for up to :data:`FEW_ROWS`
-    rows. Meant for a compiled step: the row count is fixed when a program is traced, so each
-    program takes one road, and Inductor fuses what lies between the products."""
-    if x.numel() // x.shape[-1] <= FEW_ROWS:
+@torch.inference_mode()
+def kernel_rows(weights: list[torch.Tensor], rounds: int = 5) -> dict[tuple, frozenset[int]]:
+    """For each weight shape, the row counts of a compiled step's buckets (1, 2, 4, ... up to
+    :data:`FEW_ROWS`) at which the small-batch kernel multiplies faster than the library: oneDNN's
+    kernel on a packed copy, or plain ``F.linear`` (what a frozen compiled step would otherwise
+    call). Every road is timed over all of ``weights`` in the order a step reads them, so each
+    call finds its weight in memory, as a step does; timed alone, a weight is warm in a cache,
+    and that picked the kernel for bf16 products of four rows, which in a real step on a 2-core
+    Xeon with AMX ran 1.3x slower than oneDNN's. Medians of ``rounds`` passes, per process."""
+    key = (tuple(tuple(w.shape) for w in weights), weights[0].dtype, torch.get_num_threads())
+    if key not in _KERNEL_ROWS:
+        copies = [torch.ops.mkldnn._reorder_linear_weight(w.detach()) for w in weights]
+        rows_by_shape: dict[tuple, set[int]] = {tuple(w.shape): set() for w in weights}
+        for rows in [1 << i for i in range(FEW_ROWS.bit_length()) if 1 << i <= FEW_ROWS]:
+            inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
+            passes: dict[tuple, dict[str, list[float]]] = {shape: {} for shape in rows_by_shape}
+            for round_ in range(rounds + 1):  # the first pass of each road is not timed
+                for road_ in ("gemv", "packed", "plain"):
+                    totals = dict.fromkeys(rows_by_shape, 0.0)
+                    for weight, copy_ in zip(weights, copies):
+                        start = time.perf_counter()
+                        multiply(road_, inputs[weight.shape[1]], weight, copy_, 1)
+                        totals[tuple(weight.shape)] += time.perf_counter() - start
+                    for shape, seconds in totals.items():
+                        passes[shape].setdefault(road_, []).extend([seconds] if round_ else [])
+            for shape, by_road in passes.items():
+                medians = {road_: statistics.median(times) for road_, times in by_road.items()}
+                if min(medians, key=medians.get) == "gemv":
+                    rows_by_shape[shape].add(rows)
+        _KERNEL_ROWS[key] = {shape: frozenset(rows) for shape, rows in rows_by_shape.items()}
+    return _KERNEL_ROWS[key]
+
+
+_KERNEL_ROWS: dict[tuple, dict[tuple, frozenset[int]]] = {}  # by (the weights' shapes, dtype, threads)
+
+
+def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       kernel_rows: frozenset[int]) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through the small-batch kernel when ``x`` has one of
+    ``kernel_rows`` rows. Meant for a compiled step: the row count is fixed when a program is
+    traced, so each program takes one road, and Inductor fuses what lies between the products."""
+    if x.numel() // x.shape[-1] in kernel_rows:
         return gemv.small_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 class SmallBatchLinear(nn.Module):
-    """An ``nn.Linear`` multiplying by :func:`small_batch_linear`."""
+    """An ``nn.Linear`` multiplying by :func:`small_batch_linear` (``kernel_rows``: its shape's
+    entry of :func:`kernel_rows`)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, kernel_rows: frozenset[int]) -> None:
         super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
+        self.weight, self.bias, self.kernel_rows = linear.weight, linear.bias, kernel_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return small_batch_linear(x, self.weight, self.bias)
+        return small_batch_linear(x, self.weight, self.bias, self.kernel_rows)
 
 
 class SmallBatchTokenEmbedding(TokenEmbedding):
     """The token table, its tied projection by :func:`small_batch_linear`."""
 
-    def __init__(self, embedding: TokenEmbedding) -> None:
+    def __init__(self, embedding: TokenEmbedding, kernel_rows: frozenset[int]) -> None:
         super().__init__(embedding.num_embeddings, embedding.embedding_dim, _weight=embedding.weight)
-        self.weight = embedding.weight
+        self.weight, self.kernel_rows = embedding.weight, kernel_rows
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        return small_batch_linear(hidden, self.weight, None)
+        return small_batch_linear(hidden, self.weight, None, self.kernel_rows)
 
 
 def small_batch_products(model: GPT) -> GPT | None:
     """A copy of ``model`` whose few-row products go through the small-batch kernel, for a
     compiled CPU step; None where the kernel cannot multiply by its weights (another device or
-    dtype, no compiler)."""
-    if not gemv.supports(model.tok_emb.weight):
+    dtype, no compiler) or oneDNN cannot, to be timed against (:func:`packing_unsupported`)."""
+    if not gemv.supports(model.tok_emb.weight) or packing_unsupported(model) is not None:
         return None
-    return with_products(model, SmallBatchLinear, SmallBatchTokenEmbedding)
+    weights = [m.weight for m in model.modules() if type(m) is nn.Linear] + [model.tok_emb.weight]
+    rows = kernel_rows(weights)
+    return with_products(model, lambda linear: SmallBatchLinear(linear, rows[tuple(linear.weight.shape)]),
+                         lambda table: SmallBatchTokenEmbedding(table, rows[tuple(table.weight.shape)]))
