@@ -162,3 +162,12 @@ def test_the_decode_benchmark_can_build_engines_without_the_kernel(kernel):
         assert packed.small_batch_products(model) is None  # a compiled step keeps Inductor's products
     assert gemv.supports(model.tok_emb.weight)  # only while it built the engine
     assert packed.small_batch_products(model) is not None
+
+
+def test_a_compiled_bf16_step_keeps_inductors_products_where_the_cpu_has_amx(kernel, monkeypatch):
+    model = tiny_model().bfloat16()
+    if packed.packing_unsupported(model) is not None:
+        pytest.skip("oneDNN has no bf16 products on this CPU, so no compiled step is timed against them")
+    for amx in (True, False):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+        assert (packed.small_batch_products(model) is None) == amx
