@@ -204,9 +204,12 @@ def attention_kernels(config: EngineConfig, device: torch.device, dtype: torch.d
         elif one_process and device.type == "cpu" and not config.enforce_eager and dtype in gemv.DTYPES and gemv.load():
             attention = "cpu"
     if attention == "cpu":
-        if device.type != "cpu" or dtype not in gemv.DTYPES or not gemv.load():
-            raise EngineOptionError("attention", f"attention='cpu' needs float32 or bfloat16 on a CPU and the C++ "
-                                                 f"kernels built (minillm/speedups/gemv.py), not {dtype} on {device}")
+        if device.type != "cpu" or dtype not in gemv.DTYPES:
+            raise EngineOptionError("attention", f"attention='cpu' needs float32 or bfloat16 on a CPU, not {dtype} "
+                                                 f"on {device}")
+        if not gemv.load():
+            raise EngineOptionError("attention", "attention='cpu' needs the C++ kernels built (minillm/speedups/"
+                                                 "gemv.py could not build them here: see its warning)")
         return AttentionKernels("cpu", gemv.paged_decode, fused_attention)
     if attention != "triton":
         return None
