@@ -12,6 +12,10 @@ PyTorch and Python version) and registers ``torch.ops.minillm.small_linear``, a 
 with a fake implementation, so a compiled step can carry it too. Where it cannot be built (no
 compiler, no ninja) it says so once, and :func:`load` returns False: callers keep the library's
 product. :mod:`minillm.speedups.packed` times it against the other roads per weight shape.
+
+The same build holds the CPU's decode attention (``decode_attention.cpp``,
+:func:`decode_attention`): it reads the paged KV cache in place, for the engine's
+``attention="cpu"`` in eager and compiled steps alike.
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ from minillm.settings import cache_dir
 log = logging.getLogger(__name__)
 
 # The kernel, and beside it in the same build a decode step's attention over the paged pool
-# (``decode_attention.cpp``), which a compiled CPU step calls instead of a gather.
 SOURCES = (Path(__file__).with_name("gemv.cpp"), Path(__file__).with_name("decode_attention.cpp"))
 DTYPES = (torch.float32, torch.bfloat16)
 
