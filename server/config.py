@@ -128,7 +128,8 @@ FLAGS: list[tuple[str, Callable[[str], object], str]] = [
                                  "while the model computes (a request that ends is seen one step late, its extra "
                                  "token dropped); --no-async-scheduling runs one step after another (the reference). "
                                  "Default: on a GPU; off on a CPU, whose cores the forward already keeps busy; never "
-                                 "with --speculative-draft or a split model"),
+                                 "with a split model. With --speculative-draft, steps that speculate run serially "
+                                 "and the others overlap"),
     ("--quantize", str.lower, "int8 | int4: weight-only quantization of the model's matrices (chapter 14); "
                             "activations are then bf16 unless --dtype says otherwise"),
 ]

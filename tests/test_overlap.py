@@ -248,11 +248,6 @@ def test_the_option_is_refused_where_it_cannot_run() -> None:
     with pytest.raises(EngineOptionError, match="pipeline_parallel_size") as err:
         EngineConfig(async_scheduling=True, pipeline_parallel_size=2)
     assert err.value.option == "async_scheduling"
-    from minillm.engine.build import check_options
-
-    with pytest.raises(EngineOptionError, match="speculative_draft") as err:
-        check_options(EngineConfig(async_scheduling=True), speculative_draft="ngram")
-    assert err.value.option == "async_scheduling"
 
 
 def test_the_server_streams_what_the_serial_engine_serves(model: GPT) -> None:

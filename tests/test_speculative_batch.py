@@ -249,3 +249,84 @@ def test_several_choices_of_one_request_speculate_side_by_side(target, draft) ->
     plain = LLMEngine(target, EngineConfig(num_blocks=64, block_size=8), get_tokenizer())
     assert three == [one] * 3 == asyncio.run(asyncio.wait_for(texts(plain, 3), 60))
     assert drafted_together == 3 * drafted_alone > 0  # each choice drafted as it would alone
+
+
+def counting_submits(engine: SpeculativeEngine) -> list[int]:
+    """The batch size of every step ``engine`` submits to overlap, as it submits them."""
+    submitted: list[int] = []
+    submit = engine.runner.submit
+    engine.runner.submit = lambda step: submitted.append(len(step.output.chunks)) or submit(step)
+    return submitted
+
+
+def stopping_midway(target, after: int) -> tuple[list[SamplingParams], list[list[int]]]:
+    """Greedy requests for :data:`PROMPTS`, the first two of 12 tokens, the last stopping on a
+    token it meets after ``after`` tokens; and what the target alone answers them."""
+    plain = LLM(target, num_blocks=64, block_size=8)
+    first = plain.generate(PROMPTS[3:], GREEDY, use_tqdm=False)[0].token_ids
+    stop = next(t for i, t in enumerate(first) if i >= after and t not in first[:i])
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * 2 + [
+        GREEDY, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop_token_ids=[stop])]
+    expected = [out.token_ids for out in plain.generate(PROMPTS, params, use_tqdm=False)]
+    assert len(expected[3]) < 30  # it stopped on the token
+    return params, expected
+
+
+def test_with_overlap_scheduling_large_batches_overlap_and_small_ones_speculate(target, draft) -> None:
+    """Overlap scheduling on, speculation up to two sequences, a pool too small for all four:
+    the steps of three or four sequences overlap; once two are left they speculate, each
+    waiting for the step before it and running to its end; every token is the target's."""
+    params, expected = stopping_midway(target, after=6)
+    speculator = Speculator.with_draft_model(draft, target, 3, disable_by_batch_size=2)
+    engine = SpeculativeEngine(target, EngineConfig(num_blocks=11, block_size=8, async_scheduling=True),
+                               speculator=speculator)
+    assert engine.overlap
+    submitted = counting_submits(engine)
+    tokens, lookaheads = run_steps(engine, {str(i): (p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, params))})
+    assert [tokens[str(i)] for i in range(len(PROMPTS))] == expected
+    assert engine.scheduler.num_preemptions > 0
+    assert max(submitted) >= 3 and all(n <= 2 for step in lookaheads if any(step) for n in [len(step)])
+    assert speculator.stats.drafted > 0
+    assert engine.allocator.num_used_blocks == 0 and not engine.has_unfinished
+
+
+def test_an_overlapping_engine_times_its_plain_steps_for_the_choice(target, draft, reference) -> None:
+    """Without a limit, an overlapping engine times both kinds of decode step at a batch size:
+    a plain step as submitted and overlapped, a speculative one run serially."""
+    speculator = Speculator.with_draft_model(draft, target, 3)
+    engine = SpeculativeEngine(target, EngineConfig(num_blocks=64, block_size=8, async_scheduling=True),
+                               speculator=speculator)
+    submitted = counting_submits(engine)
+    tokens, _ = run_steps(engine, {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)})
+    assert [tokens[str(i)] for i in range(len(PROMPTS))] == reference
+    timed = speculator.measured.buckets[3]  # batch 4
+    assert timed.plain is not None and timed.speculative is not None
+    assert 4 in submitted  # plain steps of four overlapped
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["speculating first", "plain first"])
+def test_a_request_that_ends_in_an_overlapped_step_drafts_nothing_in_the_next(target, draft, first) -> None:
+    """Plain (overlapped) and speculating steps taking turns: the step behind an overlapped one
+    is scheduled before it ends, so a request that stops in it is still in the next, which
+    speculates; it drafts nothing there (its tokens would be dropped), and every request is the
+    target's alone. No draft reaches past its request's ``max_tokens`` (a pending token counts
+    towards it)."""
+    params, expected = stopping_midway(target, after=14)
+    speculator = Speculator.with_draft_model(draft, target, 3)
+    turns = itertools.cycle([first, not first])
+    speculator.speculates = lambda batch: next(turns)
+    drafted_for_ended: list[bool] = []
+    propose = speculator.propose
+
+    def proposing(chunks):
+        drafted_for_ended.extend(c.seq.is_finished for c in chunks)
+        assert all(c.start + 2 + c.num_lookahead - c.seq.prompt_len <= c.seq.params.max_tokens for c in chunks)
+        return propose(chunks)
+
+    speculator.propose = proposing
+    engine = SpeculativeEngine(target, EngineConfig(num_blocks=64, block_size=8, async_scheduling=True),
+                               speculator=speculator)
+    tokens, _ = run_steps(engine, {str(i): (p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, params))})
+    assert [tokens[str(i)] for i in range(len(PROMPTS))] == expected
+    assert drafted_for_ended and not any(drafted_for_ended)
+    assert speculator.stats.drafted > 0 and engine.allocator.num_used_blocks == 0

@@ -256,9 +256,6 @@ def check_options(config: EngineConfig, *, dtype: str | torch.dtype | None = Non
     if config.pipeline_parallel_size > 1:
         raise EngineOptionError("speculative_draft",
                                 "speculative_draft does not combine with pipeline_parallel_size > 1 (not supported)")
-    if config.async_scheduling:
-        raise EngineOptionError("async_scheduling", "async_scheduling=True does not combine with speculative_draft "
-                                "(not supported: speculative steps run one after another)")
     if num_speculative_tokens < 1:
         raise EngineOptionError("num_speculative_tokens",
                                 f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")

@@ -196,8 +196,10 @@ class LLMEngine:
             return self._overlapped_step()
         output = self.scheduler.schedule(time.monotonic())
         self.last_step = output
-        if output.is_empty:
-            return []
+        return [] if output.is_empty else self._run(output)
+
+    def _run(self, output: SchedulerOutput) -> list[RequestOutput]:
+        """Run a scheduled step to its end and append what it produced."""
         try:
             produced = self.runner.execute(output)
         except BaseException:
@@ -213,14 +215,23 @@ class LLMEngine:
         (an end-of-text token, a stop string) is in N+1 too; its token from N+1 is dropped,
         and its blocks are freed once N+1 is accounted for. A step with rows whose logits
         depend on every earlier token (penalties, a schema's grammar) starts only after N's
-        tokens are appended: it overlaps nothing but stays exact."""
+        tokens are appended: it overlaps nothing but stays exact.
+
+        A step with draft slots (speculative decoding) also waits for N, since its drafter reads
+        each sequence's latest token, and it runs to its end before the next step is scheduled:
+        how many tokens it accepts decides where each sequence's next step starts. So a
+        speculating engine overlaps the steps that do not speculate (the large batches, past
+        the size where speculation stops paying) and runs the others serially."""
         output = self.scheduler.schedule(time.monotonic())  # if this raises, the step computing stays so
         previous, self._computing = self._computing, None
         self.last_step = output
         results: list[RequestOutput] = []
         if not output.is_empty:
-            if previous is not None and any(c.samples and shapes_logits(c.seq) for c in output.chunks):
+            drafts = any(c.num_lookahead for c in output.chunks)
+            if previous is not None and (drafts or any(c.samples and shapes_logits(c.seq) for c in output.chunks)):
                 results, previous = self._collect(previous, output), None
+            if drafts:
+                return results + self._run(output)
             try:
                 self._computing = (output, self.runner.submit(self.runner.prepare(output)))
             except BaseException:

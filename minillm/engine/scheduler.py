@@ -211,7 +211,7 @@ class Scheduler:
         for chunk, wanted in zip(drafting, self.lookahead(len(out.chunks), [c.seq for c in drafting])):
             seq = chunk.seq
             room = min(wanted, self.num_lookahead_slots,
-                       seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+                       seq.params.max_tokens - seq.num_output_tokens - seq.num_pending - 1, self.max_model_len - seq.num_tokens - 1)
             if room > 0 and self.allocator.can_allocate(seq, seq.num_tokens + room):
                 self.allocator.grow(seq, seq.num_tokens + room)
                 chunk.num_lookahead = room

@@ -35,7 +35,7 @@ from minillm.data.tokenizer import Tokenizer
 from minillm.engine.config import EngineConfig
 from minillm.engine.kv_cache import PagedKVPool, kv_bytes_per_token
 from minillm.engine.llm_engine import LLMEngine, Speedups
-from minillm.engine.model_runner import ChunkOutput, ModelRunner
+from minillm.engine.model_runner import ChunkOutput, ModelRunner, PreparedStep, StepResult
 from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from minillm.engine.sequence import Sequence
 from minillm.model.gpt import GPT
@@ -146,17 +146,43 @@ class SpeculativeRunner:
 
     def __init__(self, runner: ModelRunner, speculator: Speculator) -> None:
         self.runner, self.speculator = runner, speculator
+        self._last_done = 0.0  # when the latest step's outputs were in hand
 
     def execute(self, output: SchedulerOutput) -> list[ChunkOutput]:
         """Run a step, and time it for the speculator if it decodes only."""
         start = time.perf_counter()
-        speculating = [c for c in output.chunks if c.num_lookahead]
+        # a sequence that ended in the overlapped step before this one drafts nothing: its tokens would be dropped
+        speculating = [c for c in output.chunks if c.num_lookahead and not c.seq.is_finished]
         outputs = self.speculate(output, speculating) if speculating else self.runner.execute(output)
-        chunks = output.chunks
-        if all(c.is_decode for c in chunks):
-            tokens = sum(len(o.tokens) for o in outputs) / len(chunks)
-            self.speculator.measured.record(len(chunks), bool(speculating), time.perf_counter() - start, tokens)
+        self._timed(output, outputs, bool(speculating), start)
         return outputs
+
+    def prepare(self, output: SchedulerOutput) -> PreparedStep:
+        """Prepare a step that does not speculate, for :meth:`submit` (an overlapping engine's)."""
+        return self.runner.prepare(output)
+
+    def submit(self, step: PreparedStep) -> StepResult:
+        """Start a step that does not speculate and return at once (overlap scheduling). Its
+        time for the speculator runs from when it could start computing (submitted, or the
+        step before it done) to when its outputs are in hand: with the host's work hidden
+        behind the device's, that is what a plain step costs, while a speculative step (run
+        serially) pays both."""
+        result, submitted = self.runner.submit(step), time.perf_counter()
+
+        def wait() -> list[ChunkOutput]:
+            outputs = result.wait()
+            self._timed(step.output, outputs, False, max(submitted, self._last_done))
+            return outputs
+
+        return StepResult(wait)
+
+    def _timed(self, output: SchedulerOutput, outputs: list[ChunkOutput], speculative: bool, start: float) -> None:
+        """Count a decode-only step that began at ``start`` for the speculator's choice."""
+        self._last_done = done = time.perf_counter()
+        chunks = output.chunks
+        tokens = sum(len(o.tokens) for o in outputs) / len(chunks)
+        if tokens and all(c.is_decode for c in chunks):
+            self.speculator.measured.record(len(chunks), speculative, done - start, tokens)
 
     def speculate(self, output: SchedulerOutput, speculating: list[ScheduledChunk]) -> list[ChunkOutput]:
         """Draft for the ``speculating`` chunks, verify in the step's one forward, and return
@@ -213,7 +239,6 @@ class SpeculativeEngine(LLMEngine):
         speculator.start(self.pool)
         self.scheduler.num_lookahead_slots = speculator.k
         self.scheduler.lookahead = speculator.lookahead
-        self.overlap = False  # a speculative step's tokens decide the next step's length
         self.runner = SpeculativeRunner(self.runner, speculator)
 
     def kv_bytes_beside_per_token(self) -> int:
