@@ -26,7 +26,7 @@ from minillm.model.gpt import GPT
 from minillm.data.tokenizer import EOT_ID, get_tokenizer
 from server.loadgen import client as loadgen_client
 from server.app import STATE
-from server.loadgen.__main__ import main
+from server.loadgen.__main__ import build_parser, main, spec_from_args
 from server.loadgen.client import LoadRun, LoadSpec, arrival_times
 from server.loadgen.stats import RequestResult, parse_slo, percentile, summarize
 from server.loadgen.client import prompts
@@ -243,3 +243,39 @@ def test_command_line_problems_are_one_line_errors(model: GPT, tmp_path) -> None
     with live_server(small_engine(model)) as live:  # 128 positions of context
         with pytest.raises(UsageError, match="context of 128"):
             main(["--url", live.url, "--input-len", "100", "--output-len", "40", "--out", str(tmp_path)])
+
+
+def test_without_keep_alive_every_request_opens_its_own_connection() -> None:
+    """A server that closes a kept-alive connection after a few requests (llama-server) can
+    race the next request sent on it; ``keep_alive=False`` (``--no-keep-alive``) sends each
+    request on a connection of its own. Counted by the client ports a stub server sees."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    async def ports_seen(keep_alive: bool) -> tuple[int, int]:
+        ports: list[int] = []
+
+        async def models(request: web.Request) -> web.Response:
+            return web.json_response({"data": [{"id": "stub"}]})
+
+        async def completions(request: web.Request) -> web.StreamResponse:
+            ports.append(request.transport.get_extra_info("peername")[1])
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(text("x") + b"\n" + usage(1) + b"\ndata: [DONE]\n\n")
+            return response
+
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        app.router.add_post("/v1/completions", completions)
+        async with TestServer(app) as server:
+            spec = LoadSpec(url=str(server.make_url("")), num_prompts=6, max_concurrency=1, input_len=4, output_len=1,
+                            keep_alive=keep_alive)
+            summary = await LoadRun(spec).run()
+        assert summary.completed == 6
+        return len(ports), len(set(ports))
+
+    assert asyncio.run(ports_seen(True)) == (7, 1)  # the warm-up and six requests, one after another, on one connection
+    assert asyncio.run(ports_seen(False)) == (7, 7)
+    flags = lambda argv: spec_from_args(build_parser().parse_args(argv))  # noqa: E731
+    assert flags(["--no-keep-alive"]).keep_alive is False and flags([]).keep_alive is True

@@ -120,14 +120,18 @@ def batched_bench_tg(
 
 
 @contextmanager
-def llama_server(gguf_path: str | Path, *, threads: int = 2, startup_timeout: float = 120) -> Iterator[str]:
+def llama_server(gguf_path: str | Path, *, threads: int = 2, slots: int = 1,
+                 startup_timeout: float = 120) -> Iterator[str]:
     """``llama-server`` on a free local port for the ``with`` block; yields its base URL.
 
-    One slot, the model's own context, and an ``f32`` KV cache: llama.cpp's default ``f16``
-    cache rounds every key and value, which is a difference in the cache, not in the model."""
+    ``slots`` requests at once (llama.cpp's continuous batching: its ``--max-num-seqs``), each
+    with the model's whole context, and an ``f32`` KV cache: llama.cpp's default ``f16`` cache
+    rounds every key and value, which is a difference in the cache, not in the model."""
     port = free_port()
-    args = [str(binary("llama-server")), "-m", str(_model(gguf_path)), "--host", "127.0.0.1",
-            "--port", str(port), "-np", "1", "-t", str(threads), "-ctk", "f32", "-ctv", "f32", "--no-webui"]
+    model = _model(gguf_path)
+    args = [str(binary("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+            "-np", str(slots), "-c", str(slots * gguf_context_length(model)), "-t", str(threads),
+            "-ctk", "f32", "-ctv", "f32", "--no-webui"]
     with tempfile.TemporaryFile("w+") as log, local_server(args, port, log, name="llama-server",
                                                             timeout=startup_timeout, error=LlamaCppError) as url:
         yield url

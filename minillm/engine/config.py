@@ -69,7 +69,7 @@ class EngineConfig:
     # and detokenize step N's tokens, while N+1 computes. None overlaps on a GPU, whose work runs
     # beside the host's; on a CPU the forward already keeps every core busy, and the host's work
     # beside it slows it by more than it hides (measured: python -m minillm.bench host). False
-    # keeps the serial engine, the reference; True insists (one process, no speculative steps).
+    # keeps the serial engine, the reference; True insists (one process).
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:

@@ -56,6 +56,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--sweep", default="", help="comma-separated request rates, one run each, e.g. 1,2,4,8")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="bearer key for a server started with --api-key (default: $OPENAI_API_KEY)")
+    p.add_argument("--no-keep-alive", dest="keep_alive", action="store_false",
+                   help="a new connection per request, for servers that close kept-alive ones after a few "
+                        "requests (llama-server)")
     p.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
     return p
 

@@ -56,6 +56,9 @@ class LoadSpec:
     slo: dict[str, float] | None = None  # seconds, from loadgen_stats.parse_slo
     api_key: str | None = None
     fixed_prompts: list[list[int]] | None = None  # sent in turn instead of the dataset's, each for output_len
+    # reuse connections between requests; False opens one per request, for servers that close a
+    # kept-alive connection after a few requests (llama-server), a close that can race the next request
+    keep_alive: bool = True
 
     def __post_init__(self) -> None:
         if self.num_prompts is None and self.duration is None:
@@ -200,7 +203,7 @@ class LoadRun:
         spec = self.spec
         headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
         # No connection limit: aiohttp's default of 100 would silently cap the concurrency.
-        connector = aiohttp.TCPConnector(limit=0)
+        connector = aiohttp.TCPConnector(limit=0, force_close=not spec.keep_alive)
         async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
             self.info = await server_info(session, self.url)
             prompt_len = max(map(len, spec.fixed_prompts)) if spec.fixed_prompts else spec.length_range(spec.input_len)[1]
