@@ -27,6 +27,7 @@ from minillm.engine.config import EngineOptionError
 from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.memory import describe_cache
 from minillm.machine.hardware import default_device
+from minillm.speedups.packed import PackedLinear
 from minillm.data.tokenizer import get_tokenizer
 from minillm.train.trainer import load_or_train
 from server.app import STATE, create_app
@@ -67,6 +68,25 @@ def prepare_decode(engine: LLMEngine) -> str:
     return f"decode steps {what} for batches of {graphs.buckets[0]}..{graphs.max_batch} in {seconds:.1f} s"
 
 
+def model_line(engine: LLMEngine, config: ServerConfig) -> str:
+    """The banner's line about what computes: device, precision (or quantized weights), whether
+    the weights were packed for the CPU's kernels, the attention kernels, and the speed-ups that
+    depend on the launch (a draft model, overlap scheduling), so a log says what ran."""
+    model = engine.model
+    precision = f"{config.quantize} weights, {str(model.dtype).removeprefix('torch.')} activations" \
+        if config.quantize else str(model.dtype).removeprefix("torch.")
+    parts = [f"model on {model.device} in {precision}"]
+    if any(isinstance(m, PackedLinear) for m in model.modules()):
+        parts.append("weights packed for the CPU's kernels")
+    attention = engine.runner.attention
+    parts.append(f"attention: {attention if isinstance(attention, str) else attention.name}")
+    if config.speculative_draft:
+        parts.append(f"speculating with {config.speculative_draft}")
+    if engine.overlap:
+        parts.append("overlap scheduling")
+    return "; ".join(parts)
+
+
 def memory_line(engine: LLMEngine) -> str:
     """The banner's line about memory: ``--memory-budget``'s split when one was given, else
     the KV cache's size and what it holds."""
@@ -85,7 +105,7 @@ def ranks_line(engine: LLMEngine) -> str:
 
 def banner(config: ServerConfig, port: int, *notes: str) -> str:
     """What to paste to try the server: its URL, a curl command and an ``openai`` snippet,
-    after ``notes`` (the decode and memory lines), one a line.
+    after ``notes`` (the model, decode and memory lines), one a line.
     A key is never printed (stdout often ends up in logs): with one, both snippets read it
     from ``OPENAI_API_KEY``, where the ``openai`` client looks by default."""
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
@@ -131,7 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         engine = build(config)
     try:
-        notes = [note for note in (prepare_decode(engine), memory_line(engine), ranks_line(engine)) if note]
+        notes = [note for note in (model_line(engine, config), prepare_decode(engine), memory_line(engine),
+                                   ranks_line(engine)) if note]
         for note in notes:
             log.info(note)
         crashed = asyncio.run(_serve_until_signalled(create_app(engine, config), config, notes))

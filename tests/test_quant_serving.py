@@ -62,3 +62,14 @@ def test_a_quantized_server_answers_like_the_offline_engine(tmp_path: Path) -> N
     assert answer["usage"]["completion_tokens"] == len(expected.token_ids) == 12
     assert answer["choices"][0]["text"] == expected.text
     assert max(expected.token_ids) < VOCAB
+
+
+def test_the_banner_says_what_computes(tmp_path: Path) -> None:
+    from server.__main__ import model_line
+
+    ckpt = str(checkpoint(tmp_path))
+    config = ServerConfig(checkpoint=ckpt, device="cpu", quantize="int8", kv_cache_memory="8MiB")
+    assert model_line(build(config), config).startswith("model on cpu in int8 weights, bfloat16 activations; ")
+    config = ServerConfig(checkpoint=ckpt, device="cpu", dtype="float32", enforce_eager=True, kv_cache_memory="8MiB",
+                          async_scheduling=True)
+    assert model_line(build(config), config) == "model on cpu in float32; attention: torch; overlap scheduling"
