@@ -23,8 +23,8 @@ from server.wire import MAX_BODY_BYTES
 @dataclass
 class ServerConfig:
     """What to serve, where, and how much work to take on (each field is a flag; ``FLAGS``
-    says what it does). A request arriving when ``max_queue`` are already waiting is answered
-    429 at once, because queueing it would only make every client wait longer.
+    says what it does). A request arriving when ``max_queue`` are already waiting beyond the
+    batch's free seats (``max_num_seqs``) is answered 429 at once, because queueing it would only make every client wait longer.
     """
 
     checkpoint: str | None = None
@@ -92,7 +92,7 @@ FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     ("--block-size", int, "tokens per KV block"),
     ("--max-num-seqs", int, "most requests running at once"),
     ("--max-num-batched-tokens", int, "most tokens computed in one engine step"),
-    ("--max-queue", int, "waiting requests beyond which new ones get 429"),
+    ("--max-queue", int, "requests that may wait for a seat in the batch; beyond, new ones get 429"),
     ("--api-key", str, "require the key on every route but /health: `Authorization: Bearer KEY`, or from a "
                        "browser (the dashboard) HTTP Basic auth with the key as the password"),
     ("--served-model-name", str, "the model name clients send and /v1/models lists"),

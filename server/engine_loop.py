@@ -43,7 +43,7 @@ IDLE_CHECK_S = 1.0  # how often an idle engine thread asks the engine whether it
 
 
 class QueueFull(Exception):
-    """The waiting queue is at ``max_queue``: come back later (HTTP 429)."""
+    """``max_queue`` requests already wait beyond the batch's free seats: come back later (HTTP 429)."""
 
 
 class ShuttingDown(Exception):
@@ -291,7 +291,7 @@ class AsyncEngine:
     def _add(self, message: _Add) -> None:
         """Queue all of a request's choices, or none: a full queue or a request the engine
         refuses (one that could never fit in the pool) is answered with an error instead."""
-        if self.engine.num_waiting >= self.max_queue:
+        if self.engine.num_queued >= self.max_queue:
             self._outbox.append((message.ids[0], QueueFull(f"{self.max_queue} requests are already waiting")))
             return
         try:

@@ -182,7 +182,8 @@ def test_a_hundred_concurrent_streams_against_a_small_pool(model: GPT, monkeypat
     """Every client completes or is told 429 with Retry-After; nothing hangs or leaks.
 
     The engine is held until the first half of the burst has reached it, so the burst is a
-    burst however fast this machine is: 8 are queued and 42 refused for sure; the second
+    burst however fast this machine is: 8 take the free seats, 8 are queued and 34 refused for
+    sure (the queue's bound counts only what the seats cannot take); the second
     half arrives while requests run and finish, and is queued or refused as room allows.
     """
     n, max_tokens = 100, 24
@@ -205,7 +206,7 @@ def test_a_hundred_concurrent_streams_against_a_small_pool(model: GPT, monkeypat
             hold_until_half_arrived(state(client).engine, n // 2, monkeypatch)
             statuses = await asyncio.gather(*(one(client, i) for i in range(n)))
             done, refused = statuses.count(200), statuses.count(429)
-            assert done + refused == n and done >= 8 and refused >= n // 2 - 8
+            assert done + refused == n and done >= 16 and refused >= n // 2 - 16
             s = await settled(client)
             assert s.stats.kv_blocks_used == 0 and s.stats.preemptions > 0  # the small pool was felt
             assert (await client.get("/health")).status == 200

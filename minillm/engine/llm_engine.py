@@ -382,10 +382,13 @@ class LLMEngine:
         return self.scheduler.has_unfinished or self._computing is not None
 
     @property
-    def num_waiting(self) -> int:
-        """Requests waiting for a place in the batch: what a server bounds its queue by, read
-        without building a whole :meth:`stats` snapshot."""
-        return self.scheduler.num_waiting
+    def num_queued(self) -> int:
+        """Requests waiting beyond the seats free in the batch: what a server bounds its queue
+        by. Requests join the batch only when a step is scheduled, so a burst that arrives
+        between two steps waits in full at first; counting only what its free seats cannot
+        take keeps a server from refusing work while seats stand empty."""
+        free_seats = max(0, self.config.max_num_seqs - len(self.scheduler.running))
+        return max(0, self.scheduler.num_waiting - free_seats)
 
     def stats(self) -> EngineStats:
         return EngineStats(
