@@ -174,11 +174,18 @@ def test_the_measured_choice_tries_both_then_keeps_the_faster_and_retries_the_ot
 
     choice = MeasuredChoice(retry_every=4)
     assert choice.choose(4) is True  # untimed: speculation first
+    choice.record(4, True, seconds=1.0, tokens_per_sequence=1.0)  # switched to speculation: the catch-up, not counted
+    assert choice.choose(4) is True and choice.buckets[3].speculative is None
     choice.record(4, True, seconds=0.030, tokens_per_sequence=2.0)  # 15 ms a token
     assert choice.choose(5) is False  # same bucket (4-7): now time the plain step
     choice.record(5, False, seconds=0.010, tokens_per_sequence=1.0)  # 10 ms a token: plain is faster
-    steps = [choice.choose(6) for _ in range(28)]  # the slower retried after 4, 8, 16 steps
-    assert [i for i, speculated in enumerate(steps) if speculated] == [3, 11, 27]
+    steps = []
+    for _ in range(32):  # the slower retried after 4, 8, 16 steps: a switch, then a timed step
+        speculated = choice.choose(6)
+        steps.append(speculated)
+        choice.record(6, speculated, 0.030 if speculated else 0.010, 2.0 if speculated else 1.0)
+    assert [i for i, speculated in enumerate(steps) if speculated] == [3, 4, 12, 13, 29, 30]
+    assert choice.buckets[3].speculative == pytest.approx(0.015)  # never the switches' catch-up
     assert choice.choose(1) is True and choice.choose(16) is True  # other buckets start afresh
     for _ in range(20):  # the drafter got better: speculative steps now 5 ms a token
         choice.record(4, True, seconds=0.010, tokens_per_sequence=2.0)
@@ -187,14 +194,15 @@ def test_the_measured_choice_tries_both_then_keeps_the_faster_and_retries_the_ot
 
 def test_the_engine_times_both_ways_and_its_output_stays_the_targets(target, draft, reference) -> None:
     """Without a given limit the engine times its own decode steps both ways at each batch
-    size: its first decode step at a size speculates, its second does not, and from then on
-    the faster decides; the tokens stay the target's all along."""
+    size: its first two decode steps at a size speculate (the first, which switches to
+    speculation, is not timed), its third does not, and from then on the faster decides; the
+    tokens stay the target's all along."""
     speculator = Speculator.with_draft_model(draft, target, 3)
     engine = SpeculativeEngine(target, EngineConfig(num_blocks=64, block_size=8), speculator=speculator)
     tokens, lookaheads = run_steps(engine, {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)})
     assert [tokens[str(i)] for i in range(len(PROMPTS))] == reference
     decode_steps = lookaheads[1:]  # after the prefill, four decodes a step
-    assert all(decode_steps[0]) and not any(decode_steps[1])  # speculation first, then a plain step, both timed
+    assert all(decode_steps[0] + decode_steps[1]) and not any(decode_steps[2])  # speculation first, then a plain step
     timed = speculator.measured.buckets[3]  # batch 4
     assert timed.plain is not None and timed.speculative is not None
 
@@ -330,3 +338,54 @@ def test_a_request_that_ends_in_an_overlapped_step_drafts_nothing_in_the_next(ta
     assert [tokens[str(i)] for i in range(len(PROMPTS))] == expected
     assert drafted_for_ended and not any(drafted_for_ended)
     assert speculator.stats.drafted > 0 and engine.allocator.num_used_blocks == 0
+
+
+def test_a_draft_vocabulary_keeps_the_most_frequent_tokens_up_to_the_coverage(tmp_path) -> None:
+    import numpy as np
+
+    from minillm.speedups.speculative.draft_vocab import draft_vocabulary, training_token_counts
+
+    counts = torch.tensor([0, 50, 5, 30, 0, 15])  # 100 tokens in all
+    assert draft_vocabulary(counts, 0.5).tolist() == [1]
+    assert draft_vocabulary(counts, 0.8).tolist() == [1, 3]
+    assert draft_vocabulary(counts, 0.81).tolist() == [1, 3, 5]
+    assert draft_vocabulary(counts, 1.0).tolist() == [1, 3, 5, 2]  # every token that occurred, and no other
+    with pytest.raises(ValueError, match="coverage"):
+        draft_vocabulary(counts, 0.0)
+    config = {"vocab_size": 6}
+    assert torch.equal(training_token_counts({"model_config": config, "data": {"token_counts": counts}}), counts)
+    np.array([1, 1, 3, 5, 1], dtype=np.uint16).tofile(tmp_path / "train.bin")  # an older checkpoint's corpus
+    older = {"model_config": config, "data": {"directory": str(tmp_path)}}
+    assert training_token_counts(older).tolist() == [0, 3, 0, 1, 0, 1]
+    assert training_token_counts({"model_config": config, "data": {"directory": str(tmp_path / "gone")}}) is None
+
+
+def test_a_draft_limited_to_a_vocabulary_guesses_only_its_tokens_and_the_output_stays_the_targets(target, draft,
+                                                                                                   reference) -> None:
+    """Greedy, a limited draft guesses the best of its tokens (the whole vocabulary's argmax
+    where that is one of them); the target rejects what it would not say, so its output is
+    unchanged. Sampled, the draft's distribution puts nothing outside the vocabulary."""
+    from minillm.engine.kv_cache import PagedKVPool
+    from minillm.engine.sequence import Sequence
+    from minillm.speedups.speculative.batch_drafters import PagedDrafter
+
+    everything = torch.arange(target.cfg.vocab_size)
+    limited = everything[::3]  # a third of the tokens: many of the target's choices are not among them
+    speculator = Speculator.with_draft_model(draft, target, 4, disable_by_batch_size=8, vocabulary=limited)
+    engine = SpeculativeEngine(target, EngineConfig(num_blocks=64, block_size=8), speculator=speculator)
+    tokens, _ = run_steps(engine, {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)})
+    assert [tokens[str(i)] for i in range(len(PROMPTS))] == reference
+    assert speculator.stats.drafted > 0 and speculator.stats.rejections > 0
+
+    def guesses(vocabulary, params):
+        drafter = PagedDrafter(draft, PagedKVPool(target.cfg, 16, 8, target.device, target.dtype), vocabulary)
+        seq = Sequence("s", PROMPTS[2], params, target.cfg.context_length, seed=params.seed)
+        seq.block_table = list(range(6))
+        return drafter.propose([(seq, 4)])[0]
+
+    whole, kept = guesses(None, GREEDY), guesses(limited, GREEDY)
+    assert all(t % 3 == 0 for t in kept.tokens) and len(kept.tokens) == 4
+    assert guesses(everything, GREEDY).tokens == whole.tokens  # the whole vocabulary, listed: the same guesses
+    sampled = guesses(limited, SamplingParams(max_tokens=30, temperature=1.0, seed=3))
+    assert sampled.probs.shape == (4, target.cfg.vocab_size) and all(t % 3 == 0 for t in sampled.tokens)
+    assert sampled.probs[:, 1::3].sum() == 0 and torch.allclose(sampled.probs.sum(dim=-1), torch.ones(4))

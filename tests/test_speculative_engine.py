@@ -10,6 +10,7 @@ import asyncio
 from dataclasses import replace
 
 import pytest
+import torch
 from aiohttp.test_utils import TestClient, TestServer
 
 from minillm.model.checkpoint import save_checkpoint
@@ -115,6 +116,14 @@ def test_server_flags(tmp_path, target) -> None:
     with pytest.raises(UsageError, match="--speculative-draft: no checkpoint"):
         build(parse_args(["--checkpoint", path, "--speculative-draft", str(tmp_path / "missing")], environ={}))
     assert not isinstance(build(parse_args(["--checkpoint", path], environ={})), SpeculativeEngine)
+    counts = torch.zeros(target.cfg.vocab_size, dtype=torch.int64)
+    counts[[7, 3, 11]] = torch.tensor([5, 9, 1])
+    draft = str(save_checkpoint(tmp_path / "draft.pt", {"model": target.state_dict(), "model_config": target.cfg.to_dict(),
+                                                        "data": {"token_counts": counts}}))
+    drafter = build(parse_args(["--checkpoint", path, "--speculative-draft", draft], environ={})).speculator.drafter
+    assert drafter.vocabulary.tolist() == [3, 7, 11]  # a draft from a checkpoint that counted its training tokens
+    drafter = build(parse_args(["--checkpoint", path, "--speculative-draft", path], environ={})).speculator.drafter
+    assert drafter.vocabulary is None  # one that did not (and names no corpus): the whole vocabulary
 
 
 def test_the_server_streams_the_same_greedy_text_with_speculation(target, draft) -> None:

@@ -58,6 +58,9 @@ def test_training_writes_metrics_and_a_loadable_model(home):
     assert not model.training and model.cfg.d_model == 64
     history = load_state(home / "run")["history"]
     assert [h["step"] for h in history] == [1, 2, 3, 4]
+    counts = load_state(home / "run")["data"]["token_counts"]  # what a draft model's vocabulary is cut to
+    train_tokens = torch.from_numpy(corpus.tokens("train").astype("int64"))
+    assert counts.shape == (50257,) and torch.equal(counts, torch.bincount(train_tokens, minlength=50257))
 
 
 def test_evaluation_of_a_model_that_guesses_uniformly_is_the_log_of_the_vocabulary(home):

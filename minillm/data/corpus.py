@@ -69,6 +69,12 @@ class Corpus:
             raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
         return np.memmap(self.directory / f"{split}.bin", dtype=np.uint16, mode="r")
 
+    def token_counts(self, split: str, vocab_size: int) -> torch.Tensor:
+        """How often each token id occurs in the split (the index is the id), as int64: a
+        checkpoint keeps its training split's, so a draft model proposes only the tokens it
+        learned (:mod:`minillm.speedups.speculative.draft_vocab`)."""
+        return torch.from_numpy(np.bincount(self.tokens(split), minlength=vocab_size)[:vocab_size].astype(np.int64))
+
     def stats(self, split: str) -> dict:
         """``stories``, ``tokens`` and ``bytes`` (UTF-8 text, for bits per byte) of a split."""
         return self.meta["splits"][split]

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from minillm.distributed.rendezvous import is_worker_rank, launched, telling_the_launch
-from minillm.model.checkpoint import load_model
+from minillm.model.checkpoint import load_model, load_state, model_from_state
 from minillm.engine.config import EngineConfig, EngineOptionError
 from minillm.engine.kv_cache import AttentionKernels
 from minillm.engine.llm_engine import LLMEngine, Speedups
@@ -25,6 +25,7 @@ from minillm.speedups import gemv
 from minillm.speedups.decode_graphs import Capture, capture_mode, capture_unsupported
 from minillm.speedups.packed import pack_weights, packing_unsupported
 from minillm.speedups.speculative.speculator import SpeculativeEngine, Speculator
+from minillm.speedups.speculative.draft_vocab import draft_vocabulary, training_token_counts
 from minillm.model.gpt import GPT, fused_attention
 from minillm.speedups.quant import cast_and_quantize, check_scheme
 from minillm.data.tokenizer import Tokenizer
@@ -290,14 +291,21 @@ def build_speculator(draft: GPT | str | Path | None, target: GPT, num_speculativ
                      disable_by_batch_size: int | None = None,
                      prepare: Callable[[GPT], GPT] | None = None) -> Speculator | None:
     """``None`` for no speculation, ``"ngram"`` for prompt lookup, a ``GPT`` or a checkpoint
-    path for a draft model (loaded onto the target's device and dtype, then ``prepare``d)."""
+    path for a draft model (loaded onto the target's device and dtype, then ``prepare``d). A
+    checkpoint that knows its training text's tokens drafts among those alone
+    (:mod:`~minillm.speedups.speculative.draft_vocab`); a ``GPT`` drafts among all."""
     if draft is None:
         return None
     try:
         if draft == NGRAM:
             return Speculator.with_ngram(num_speculative_tokens, disable_by_batch_size=disable_by_batch_size)
+        vocabulary = None
         if not isinstance(draft, GPT):
-            draft = load_model(draft, target.device)
-        return Speculator.with_draft_model(draft, target, num_speculative_tokens, disable_by_batch_size, prepare)
+            state = load_state(draft)
+            counts = training_token_counts(state)
+            vocabulary = None if counts is None else draft_vocabulary(counts)
+            draft = model_from_state(state, target.device)
+        return Speculator.with_draft_model(draft, target, num_speculative_tokens, disable_by_batch_size, prepare,
+                                           vocabulary)
     except (FileNotFoundError, ValueError) as err:
         raise EngineOptionError("speculative_draft", str(err)) from None

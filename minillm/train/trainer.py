@@ -264,6 +264,7 @@ def _train(cfg: TrainConfig, device: torch.device, dist: Dist) -> dict:
     runner = model if not cfg.compile else torch.compile(model)
     if dist.world_size > 1:
         runner = torch.nn.parallel.DistributedDataParallel(runner, device_ids=[device.index] if device.type == "cuda" else None)
+    token_counts = corpus.token_counts("train", model_cfg.vocab_size)
     sampler = BatchSampler(corpus.tokens("train"), cfg.batch_size, cfg.seq_len, seed=cfg.seed,
                            rank=dist.rank, world_size=dist.world_size, device=device)
     amp_dtype, amp, scaler = mixed_precision(cfg, device)
@@ -303,7 +304,7 @@ def _train(cfg: TrainConfig, device: torch.device, dist: Dist) -> dict:
                 last.update(evaluate(model, corpus, cfg.seq_len, cfg.batch_size, cfg.eval_batches, amp))
                 last["sample"] = sample(model, seed=step)
                 _log(bar, last)
-                _save(out, model, optimizer, step, cfg, model_cfg, corpus, history)
+                _save(out, model, optimizer, step, cfg, model_cfg, corpus, token_counts, history)
     if bar is not None:
         bar.close()
     return last
@@ -392,10 +393,12 @@ def _log(bar, m: dict) -> None:
     (bar.write if bar is not None else print)(line)
 
 
-def _save(out: Path, model: GPT, optimizer, step: int, cfg: TrainConfig, model_cfg: ModelConfig, corpus: Corpus, history: list) -> None:
+def _save(out: Path, model: GPT, optimizer, step: int, cfg: TrainConfig, model_cfg: ModelConfig, corpus: Corpus,
+          token_counts: torch.Tensor, history: list) -> None:
     save_checkpoint(out, {
         "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
         "model_config": model_cfg.to_dict(), "train_config": asdict(cfg), "history": history,
-        "data": {"source": corpus.source, "directory": str(corpus.directory), "position": f"step {step} of sampler seed {cfg.seed}"},
+        "data": {"source": corpus.source, "directory": str(corpus.directory), "position": f"step {step} of sampler seed {cfg.seed}",
+                 "token_counts": token_counts},
     })
     (out.parent / "history.json").write_text(json.dumps(history, indent=1))

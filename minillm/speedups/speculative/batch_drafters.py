@@ -9,15 +9,17 @@ about what drafting for one does, as verifying them does (chapter 1's flat step,
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from minillm.decoding.draws import Stream, uniform
 from minillm.decoding.sampling import SamplingParams, distribution
-from minillm.engine.kv_cache import PagedKVPool
+from minillm.engine.kv_cache import AttentionKernels, PagedKVPool
 from minillm.engine.model_runner import ModelRunner
 from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from minillm.engine.sequence import Sequence
@@ -84,12 +86,20 @@ class PagedDrafter:
     holds for a sequence is remembered as the tokens fed; a round keeps the longest prefix that
     still agrees with the sequence (a rejection cuts it, a preemption empties it) and feeds the
     rest, one ragged forward over every sequence, then drafts one forward a round.
-    Sampled, the guess at position ``j`` is the request's ``Stream.DRAFT`` draw for ``j``."""
+    Sampled, the guess at position ``j`` is the request's ``Stream.DRAFT`` draw for ``j``.
 
-    def __init__(self, model: GPT, target_pool: PagedKVPool) -> None:
+    ``vocabulary`` (token ids) limits the guesses to those tokens, scored through their rows
+    of the output matrix alone (:mod:`~minillm.speedups.speculative.draft_vocab`); None
+    scores the whole vocabulary. ``attention`` is the engine's (its kernels read any pool)."""
+
+    def __init__(self, model: GPT, target_pool: PagedKVPool, vocabulary: torch.Tensor | None = None,
+                 attention: str | AttentionKernels = "torch") -> None:
         self.model = model.eval()
+        self.vocabulary = None if vocabulary is None else vocabulary.to(model.device)
+        # the kept tokens' rows of the (tied) output matrix, contiguous: the draft's LM head
+        self.head = None if vocabulary is None else model.tok_emb.weight.detach()[self.vocabulary].contiguous()
         pool = PagedKVPool(model.cfg, target_pool.num_blocks, target_pool.block_size, model.device, model.dtype)
-        self.runner = ModelRunner(self.model, pool)
+        self.runner = ModelRunner(self.model, pool, attention)
         self.context = model.cfg.context_length
         # per sequence: the tokens whose draft keys and values its blocks hold, and its preemptions by then
         self.held: weakref.WeakKeyDictionary[Sequence, tuple[list[int], int]] = weakref.WeakKeyDictionary()
@@ -128,19 +138,27 @@ class PagedDrafter:
         step = self.runner.prepare(SchedulerOutput(chunks), captured=False)
         hidden = self.runner.forward(step)
         last = hidden if step.last_rows is None else hidden[step.last_rows]
-        logits = self.model.logits(last).float()
         drafting: list[Drafting] = [c.seq for c in step.sampling]  # type: ignore[misc]
+        logits = (self.model.logits(last) if self.head is None else F.linear(last, self.head)).float()
         if all(d.params.greedy for d in drafting):
-            tokens = logits.argmax(dim=-1).tolist()
-        else:
-            tokens = []
-            for row, d in zip(logits, drafting):
-                if d.params.greedy:
-                    tokens.append(int(row.argmax()))
-                    continue
-                q = distribution(row[None], d.params)[0]
-                tokens.append(draw(q, uniform(d.seed, d.num_tokens, Stream.DRAFT)))
-                d.probs.append(q)
+            best = logits.argmax(dim=-1)
+            self._append(drafting, (best if self.vocabulary is None else self.vocabulary[best]).tolist())
+            return
+        if self.vocabulary is not None:  # a sampled guess needs a distribution over the whole vocabulary:
+            logits = logits.new_full((len(drafting), self.model.cfg.vocab_size), -math.inf).index_copy_(
+                1, self.vocabulary, logits)  # the tokens left out score -inf, probability 0
+        tokens = []
+        for row, d in zip(logits, drafting):
+            if d.params.greedy:
+                tokens.append(int(row.argmax()))
+                continue
+            q = distribution(row[None], d.params)[0]
+            tokens.append(draw(q, uniform(d.seed, d.num_tokens, Stream.DRAFT)))
+            d.probs.append(q)
+        self._append(drafting, tokens)
+
+    @staticmethod
+    def _append(drafting: list[Drafting], tokens: list[int]) -> None:
         for d, token in zip(drafting, tokens):
             d.drafted.append(token)
             d.token_ids.append(token)

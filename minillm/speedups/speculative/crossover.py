@@ -30,6 +30,7 @@ class _Timings:
     since_retry: int = 0
     retry_every: int = 0  # steps between retries of the slower variant (0: not decided yet)
     faster: bool | None = None  # the variant found faster at the last retry (True: speculative)
+    trying: bool = False  # speculation is being retried, until one of its steps is timed
 
 
 class MeasuredChoice:
@@ -46,29 +47,43 @@ class MeasuredChoice:
     retry that finds the same variant faster doubles the wait before the next (up to
     ``max_retry_every``), so a variant that keeps losing costs ever fewer slow steps; a retry
     that changes the answer starts the waits over. A retry of speculation is dear (the draft's
-    cache has to catch up on every token since it last drafted), hence the long first wait."""
+    cache has to catch up on every token since it last drafted), hence the long first wait.
+
+    That catch-up is the price of switching to speculation, not of a speculative step: a step
+    that speculates after one that did not is left untimed, and the trial goes on to the next
+    (else a retry would time the catch-up of every token since the last, and speculation would
+    look slower for ever than it is)."""
 
     def __init__(self, retry_every: int = 64, max_retry_every: int = 4096, smoothing: float = 0.25) -> None:
         self.retry_every, self.max_retry_every, self.smoothing = retry_every, max_retry_every, smoothing
         self.buckets: dict[int, _Timings] = {}
+        self._speculated = False  # whether the latest timed-or-not decode step speculated
 
     def choose(self, batch: int) -> bool:
         """Speculate in a step of ``batch`` decodes? Call once per step."""
         t = self.buckets.setdefault(bucket(batch), _Timings())
-        if t.plain is None or t.speculative is None:
-            return t.speculative is None  # the variant not timed yet, speculation first
+        if t.speculative is None or t.trying:
+            return True  # speculation first, until one of its steps is timed
+        if t.plain is None:
+            return False
         faster = t.speculative < t.plain
         if faster != t.faster:  # decided for the first time, or the answer changed
             t.faster, t.retry_every, t.since_retry = faster, self.retry_every, 0
         t.since_retry += 1
         if t.since_retry >= t.retry_every:
             t.since_retry, t.retry_every = 0, min(2 * t.retry_every, self.max_retry_every)
+            t.trying = not faster
             return not faster
         return faster
 
     def record(self, batch: int, speculative: bool, seconds: float, tokens_per_sequence: float) -> None:
-        """Count a decode-only step of ``batch`` sequences that took ``seconds``."""
+        """Count a decode-only step of ``batch`` sequences that took ``seconds`` (a step that
+        switched to speculation is not counted)."""
+        switched, self._speculated = speculative and not self._speculated, speculative
+        if switched:
+            return
         t = self.buckets.setdefault(bucket(batch), _Timings())
+        t.trying = False
         per_token = seconds / tokens_per_sequence
         old = t.speculative if speculative else t.plain
         new = per_token if old is None else old + self.smoothing * (per_token - old)

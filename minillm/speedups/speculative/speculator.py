@@ -33,7 +33,7 @@ import torch
 
 from minillm.data.tokenizer import Tokenizer
 from minillm.engine.config import EngineConfig
-from minillm.engine.kv_cache import PagedKVPool, kv_bytes_per_token
+from minillm.engine.kv_cache import AttentionKernels, PagedKVPool, kv_bytes_per_token
 from minillm.engine.llm_engine import LLMEngine, Speedups
 from minillm.engine.model_runner import ChunkOutput, ModelRunner, PreparedStep, StepResult
 from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -55,7 +55,7 @@ class Speculator:
     rejection): here one more after a round whose drafts were all accepted, one fewer (down to
     one) after a rejection, so a sequence the drafter predicts badly wastes little."""
 
-    def __init__(self, make_drafter: Callable[[PagedKVPool], BatchDrafter], num_speculative_tokens: int,
+    def __init__(self, make_drafter: Callable[[PagedKVPool, str | AttentionKernels], BatchDrafter], num_speculative_tokens: int,
                  disable_by_batch_size: int | None = None, draft_kv_bytes_per_token: int = 0) -> None:
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
@@ -73,10 +73,13 @@ class Speculator:
     @classmethod
     def with_draft_model(cls, draft: GPT, target: GPT, num_speculative_tokens: int,
                          disable_by_batch_size: int | None = None,
-                         prepare: Callable[[GPT], GPT] | None = None) -> Speculator:
+                         prepare: Callable[[GPT], GPT] | None = None,
+                         vocabulary: torch.Tensor | None = None) -> Speculator:
         """Speculate with a smaller model; it must speak the target's vocabulary. ``prepare``
         gets it once cast to the target's device and dtype (the engine packs its weights as it
-        packs the target's: a draft step is mostly the read of its LM head)."""
+        packs the target's: a draft step is mostly the read of its LM head). ``vocabulary``:
+        the token ids it may guess (:func:`~minillm.speedups.speculative.draft_vocab.draft_vocabulary`),
+        None for all."""
         if draft.cfg.vocab_size != target.cfg.vocab_size:
             raise ValueError(
                 f"the draft model's vocabulary ({draft.cfg.vocab_size}) differs from the target's "
@@ -85,18 +88,20 @@ class Speculator:
         draft = draft.to(device=target.device, dtype=target.dtype).eval()
         if prepare is not None:
             draft = prepare(draft)
-        return cls(lambda pool: PagedDrafter(draft, pool), num_speculative_tokens, disable_by_batch_size,
-                   kv_bytes_per_token(draft.cfg, target.dtype))
+        return cls(lambda pool, attention: PagedDrafter(draft, pool, vocabulary, attention), num_speculative_tokens,
+                   disable_by_batch_size, kv_bytes_per_token(draft.cfg, target.dtype))
 
     @classmethod
     def with_ngram(cls, num_speculative_tokens: int, max_ngram: int = 3,
                    disable_by_batch_size: int | None = None) -> Speculator:
         """Speculate by prompt lookup: no draft model at all."""
-        return cls(lambda pool: EachSequence(NgramDrafter(max_ngram)), num_speculative_tokens, disable_by_batch_size)
+        return cls(lambda pool, attention: EachSequence(NgramDrafter(max_ngram)), num_speculative_tokens,
+                   disable_by_batch_size)
 
-    def start(self, pool: PagedKVPool) -> None:
-        """Make the drafter, beside the engine's KV ``pool`` (a draft model's cache mirrors it)."""
-        self.drafter = self.make_drafter(pool)
+    def start(self, pool: PagedKVPool, attention: str | AttentionKernels = "torch") -> None:
+        """Make the drafter, beside the engine's KV ``pool`` (a draft model's cache mirrors it
+        and reads itself with the engine's ``attention``)."""
+        self.drafter = self.make_drafter(pool, attention)
 
     def speculates(self, batch: int) -> bool:
         """Whether a step of ``batch`` sequences speculates: up to the given limit, or else as
@@ -236,7 +241,7 @@ class SpeculativeEngine(LLMEngine):
                  speedups: Speedups | None = None, *, speculator: Speculator) -> None:
         self.speculator = speculator  # before the pool is sized: the draft's cache shares its budget
         super().__init__(model, config, tokenizer, speedups)
-        speculator.start(self.pool)
+        speculator.start(self.pool, self.runner.attention)
         self.scheduler.num_lookahead_slots = speculator.k
         self.scheduler.lookahead = speculator.lookahead
         self.runner = SpeculativeRunner(self.runner, speculator)
