@@ -42,6 +42,7 @@ from minillm.speedups.speculative.batch_drafters import Drafting, PagedDrafter, 
 from minillm.speedups.speculative.rule import SpeculativeStats, generate_speculative
 from minillm.data.tokenizer import get_tokenizer
 from minillm.settings import quick
+from minillm.model.checkpoint import preset_dir
 from minillm.train.trainer import load_or_train
 
 KS = list(range(1, 9))
@@ -258,7 +259,7 @@ def measure(
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
 
 
-def batch_sweep(target: GPT, draft: GPT, batches: list[int], *, k: int = 4, prompt_len: int = 32,
+def batch_sweep(target: GPT, draft: GPT | str | Path, batches: list[int], *, k: int = 4, prompt_len: int = 32,
                 max_new: int = 48, rounds: int = 3, progress: bool = True,
                 prompts: list[list[int]] | None = None) -> dict:
     """Speculation for the whole batch, through the engine: at each batch size, greedy
@@ -339,9 +340,12 @@ def _speculate(target: GPT, drafter, prompt: list[int], max_new: int, k: int) ->
 
 
 def run(target: GPT, draft: GPT, *, num_prompts: int, prompt_len: int, max_new: int, rounds: int,
-        ks: list[int] = KS, batches: list[int] = BATCHES, progress: bool = True) -> dict:
+        ks: list[int] = KS, batches: list[int] = BATCHES, progress: bool = True,
+        engine_draft: GPT | str | Path | None = None) -> dict:
     """The whole benchmark: step costs, then :func:`measure` on stories and out-of-domain text,
-    then :func:`batch_sweep` over ``batches`` (none if empty)."""
+    then :func:`batch_sweep` over ``batches`` (none if empty). ``engine_draft`` is what the
+    batched engines speculate with (default ``draft``): the draft's checkpoint, as a server is
+    given it, drafts among its training text's tokens alone."""
     workloads = {"stories": story_prompts(num_prompts, prompt_len),
                  "out-of-domain": out_of_domain_prompts(num_prompts, prompt_len)}
     device = target.device
@@ -362,7 +366,8 @@ def run(target: GPT, draft: GPT, *, num_prompts: int, prompt_len: int, max_new: 
     if batches:
         if progress:
             print("Batched speculation (greedy stories, draft model):", flush=True)
-        report["batched"] = batch_sweep(target, draft, batches, prompt_len=prompt_len, max_new=max_new,
+        report["batched"] = batch_sweep(target, draft if engine_draft is None else engine_draft, batches,
+                                        prompt_len=prompt_len, max_new=max_new,
                                         rounds=rounds, progress=progress)
     return report
 
@@ -450,5 +455,6 @@ def run_from_args(args, out: Path) -> Path:
     if 1 + args.prompt_len + args.max_new_tokens > target.cfg.context_length:
         raise UsageError(f"--prompt-len + --max-new-tokens must fit the context of {target.cfg.context_length} tokens")
     report = run(target, draft, num_prompts=args.num_prompts, prompt_len=args.prompt_len,
-                 max_new=args.max_new_tokens, rounds=args.rounds, ks=list(range(1, args.max_k + 1)), batches=batches)
+                 max_new=args.max_new_tokens, rounds=args.rounds, ks=list(range(1, args.max_k + 1)), batches=batches,
+                 engine_draft=preset_dir("draft"))
     return save_report(report, out / "speculative-cpu.json", plot)
