@@ -114,7 +114,8 @@ FLAGS: list[tuple[str, Callable[[str], object], str]] = [
                                "compiler is, torch elsewhere"),
     ("--speculative-draft", str, "speculative decoding (chapter 15): a draft model's checkpoint, or `ngram` for "
                                  "prompt lookup; every decoding request of a step drafts, up to the batch size "
-                                 "where speculation stops paying"),
+                                 "where speculation stops paying. A draft guesses only among the tokens of its "
+                                 "own training text, when its checkpoint counted them"),
     ("--num-speculative-tokens", int, "most draft tokens per request and step (with --speculative-draft); each "
                                       "request's own number follows how many of its drafts are accepted"),
     ("--speculative-disable-by-batch-size", int, "speculate only in steps of at most N requests (with "
