@@ -19,6 +19,7 @@ import logging
 from typing import Sequence
 
 from aiohttp import web
+from torch import nn
 
 from minillm.cli import UsageError, run
 from minillm.distributed.rendezvous import PeerFailed, is_worker_rank, telling_the_launch
@@ -76,10 +77,9 @@ def model_line(engine: LLMEngine, config: ServerConfig) -> str:
     precision = f"{config.quantize} weights, {str(model.dtype).removeprefix('torch.')} activations" \
         if config.quantize else str(model.dtype).removeprefix("torch.")
     parts = [f"model on {model.device} in {precision}"]
-    if any(isinstance(m, PackedLinear) for m in model.modules()):
+    if isinstance(model, nn.Module) and any(isinstance(m, PackedLinear) for m in model.modules()):  # a split model is not one
         parts.append("weights packed for the CPU's kernels")
-    attention = engine.runner.attention
-    parts.append(f"attention: {attention if isinstance(attention, str) else attention.name}")
+    parts.append(f"attention: {engine.attention_name}")
     if config.speculative_draft:
         parts.append(f"speculating with {config.speculative_draft}")
     if engine.overlap:

@@ -128,6 +128,7 @@ class LLMEngine:
         self.grammars = grammar_compiler(self.tokenizer)  # for requests held to a JSON Schema: shared with the server
         self.eager_reason = speedups.eager_reason
         attention = speedups.kernels or config.attention or "torch"
+        self.attention_name = attention if isinstance(attention, str) else attention.name  # what reads the KV cache
         # the split of memory_budget, measured by a warm-up step; None when the cache was sized alone
         self.memory: MemorySplit | None = None
         if config.memory_budget is not None:
