@@ -74,9 +74,8 @@ def model_line(engine: LLMEngine, config: ServerConfig) -> str:
     the weights were packed for the CPU's kernels, the attention kernels, and the speed-ups that
     depend on the launch (a draft model, overlap scheduling), so a log says what ran."""
     model = engine.model
-    precision = f"{config.quantize} weights, {str(model.dtype).removeprefix('torch.')} activations" \
-        if config.quantize else str(model.dtype).removeprefix("torch.")
-    parts = [f"model on {model.device} in {precision}"]
+    dtype = str(model.dtype).removeprefix("torch.")
+    parts = [f"model on {model.device} in {f'{config.quantize} weights, {dtype} activations' if config.quantize else dtype}"]
     if isinstance(model, nn.Module) and any(isinstance(m, PackedLinear) for m in model.modules()):  # a split model is not one
         parts.append("weights packed for the CPU's kernels")
     parts.append(f"attention: {engine.attention_name}")

@@ -24,7 +24,8 @@ from server.wire import MAX_BODY_BYTES
 class ServerConfig:
     """What to serve, where, and how much work to take on (each field is a flag; ``FLAGS``
     says what it does). A request arriving when ``max_queue`` are already waiting beyond the
-    batch's free seats (``max_num_seqs``) is answered 429 at once, because queueing it would only make every client wait longer.
+    batch's free seats (``max_num_seqs``) is answered 429 at once, because queueing it would
+    only make every client wait longer.
     """
 
     checkpoint: str | None = None

@@ -355,6 +355,7 @@ def test_a_draft_vocabulary_keeps_the_most_frequent_tokens_up_to_the_coverage(tm
     config = {"vocab_size": 6}
     assert torch.equal(training_token_counts({"model_config": config, "data": {"token_counts": counts}}), counts)
     np.array([1, 1, 3, 5, 1], dtype=np.uint16).tofile(tmp_path / "train.bin")  # an older checkpoint's corpus
+    (tmp_path / "meta.json").write_text('{"source": "synthetic"}')
     older = {"model_config": config, "data": {"directory": str(tmp_path)}}
     assert training_token_counts(older).tolist() == [0, 3, 0, 1, 0, 1]
     assert training_token_counts({"model_config": config, "data": {"directory": str(tmp_path / "gone")}}) is None

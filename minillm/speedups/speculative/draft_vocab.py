@@ -17,11 +17,13 @@ output stays the target's alone, and sampled output keeps the target's distribut
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
-import numpy as np
 import torch
+
+from minillm.data.corpus import Corpus
 
 COVERAGE = 0.9999  # the share of the training tokens that the kept ones must make up
 
@@ -29,16 +31,15 @@ COVERAGE = 0.9999  # the share of the training tokens that the kept ones must ma
 def training_token_counts(state: dict) -> torch.Tensor | None:
     """How often each token id occurred in a checkpoint's training split: recorded by the
     trainer, or, for a checkpoint saved before it recorded them, counted from the corpus it
-    names when that is still on disk (None otherwise)."""
+    names when that is still on disk, whole (None otherwise)."""
     data = state.get("data") or {}
     if data.get("token_counts") is not None:
         return data["token_counts"]
-    path = Path(data.get("directory", "")) / "train.bin"
-    if not data.get("directory") or not path.is_file():
+    directory = Path(data["directory"]) if data.get("directory") else None
+    if directory is None or not (directory / "meta.json").is_file():  # written last: the cache is whole
         return None
-    vocab_size = state["model_config"]["vocab_size"]
-    counts = np.bincount(np.memmap(path, dtype=np.uint16, mode="r"), minlength=vocab_size)[:vocab_size]
-    return torch.from_numpy(counts.astype(np.int64))
+    corpus = Corpus(directory, json.loads((directory / "meta.json").read_text()))
+    return corpus.token_counts("train", state["model_config"]["vocab_size"])
 
 
 def draft_vocabulary(counts: torch.Tensor, coverage: float = COVERAGE) -> torch.Tensor:
