@@ -98,8 +98,8 @@ def test_the_engine_gives_the_plain_paths_greedy_tokens_through_the_kernel(kerne
     small_linear = gemv.small_linear
     monkeypatch.setattr(gemv, "small_linear", lambda x, *args: calls.append(x.shape[0]) or small_linear(x, *args))
     # whatever this machine would time, every decode-sized product takes the kernel
-    monkeypatch.setattr(packed, "_ROADS", {})
-    monkeypatch.setattr(packed, "time_roads", lambda w, p, slabs, rows: {"packed": 1.0, "plain": 1.0, "gemv": 0.0})
+    monkeypatch.setattr(packed, "time_roads", lambda weights: {
+        tuple(w.shape): {rows: {"packed": 1.0, "plain": 1.0, "gemv": 0.0} for rows in packed.BUCKETS} for w in weights})
     model = tiny_model()
     fast = LLM(model, num_blocks=32, block_size=4)
     assert fast.engine.model is not model  # packed
@@ -116,7 +116,7 @@ def test_without_the_kernel_products_take_the_librarys_path_and_say_so(monkeypat
 
     monkeypatch.setattr(gemv, "build", no_compiler)
     monkeypatch.setattr(gemv, "_loaded", None)
-    monkeypatch.setattr(packed, "_ROADS", {})
+    monkeypatch.setattr(packed, "_TIMINGS", {})
     with caplog.at_level(logging.WARNING, logger="minillm.speedups.gemv"):
         assert not gemv.load() and not gemv.load()
         assert not gemv.supports(torch.randn(4, 4))
@@ -124,13 +124,13 @@ def test_without_the_kernel_products_take_the_librarys_path_and_say_so(monkeypat
     assert "did not build" in record.getMessage() and "c++: not found" in record.getMessage()
     assert "\n" not in record.getMessage()
     weight = torch.randn(58, 64)
-    assert "gemv" not in packed.time_roads(weight, torch.ops.mkldnn._reorder_linear_weight(weight), 2, 8)
+    assert all("gemv" not in seconds for seconds in packed.time_roads([weight], rounds=1)[(58, 64)].values())
     model = tiny_model()
     fast = LLM(model, num_blocks=32, block_size=4)
     assert fast.engine.model is not model  # still packed, by the other roads
     entries = [packed._PACKED[packed._key(m.weight)] for m in fast.engine.model.modules()
                if isinstance(m, (packed.PackedLinear, packed.PackedTokenEmbedding))]
-    assert entries and "gemv" not in {road for e in entries for road in (e.one_row, e.few_rows)}
+    assert entries and "gemv" not in {road for e in entries for road in e.roads.values()}
     assert tokens(fast) == tokens(LLM(model, num_blocks=32, block_size=4, enforce_eager=True))
 
 
@@ -157,7 +157,7 @@ def test_the_decode_benchmark_can_build_engines_without_the_kernel(kernel):
     with without_small_kernel():
         library = pack_weights(model)
     entries = [packed._PACKED[packed._key(m.weight)] for m in library.modules() if isinstance(m, packed.PackedLinear)]
-    assert entries and "gemv" not in {road for e in entries for road in (e.one_row, e.few_rows)}
+    assert entries and "gemv" not in {road for e in entries for road in e.roads.values()}
     with without_small_kernel():
         assert packed.small_batch_products(model) is None  # a compiled step keeps Inductor's products
     assert gemv.supports(model.tok_emb.weight)  # only while it built the engine

@@ -99,13 +99,14 @@ def test_slabs_share_the_rows_evenly_between_threads():
     assert packed.slabs_for(7, 2) == 1 and packed.slabs_for(1024, 1) == 1
 
 
-# Each road under test at one row, with another at two to FEW_ROWS rows.
+# Each road under test at one row, with another at two to four rows and a third at five to FEW_ROWS.
 FEW = {"slabs": "gemv", "packed": "plain", "plain": "gemv", "gemv": "packed"}
+LATER = {"slabs": "plain", "packed": "gemv", "plain": "packed", "gemv": "plain"}
 
 
 @pytest.mark.parametrize("road", list(FEW))
 @torch.inference_mode()
-def test_each_row_count_takes_its_timed_road_and_many_rows_the_packed_kernel(monkeypatch, road):
+def test_each_row_count_takes_the_road_timed_at_its_bucket_and_many_rows_the_packed_kernel(monkeypatch, road):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -117,14 +118,17 @@ def test_each_row_count_takes_its_timed_road_and_many_rows_the_packed_kernel(mon
             self.names.add(func.__name__.split(".")[0])
             return func(*args, **(kwargs or {}))
 
-    few = FEW[road]
-    if "gemv" in (road, few) and not gemv.load():
+    few, later = FEW[road], LATER[road]
+    if "gemv" in (road, few, later) and not gemv.load():
         pytest.skip("the small-batch kernel did not build here")
-    # whatever this machine would time, the roads under test are the fastest, at one row too
-    monkeypatch.setattr(packed, "_ROADS", {})
-    monkeypatch.setattr(packed, "streams_one_row", lambda weight: False)
-    monkeypatch.setattr(packed, "time_roads", lambda w, p, slabs, rows: {
-        "slabs": 4.0, "packed": 3.0, "plain": 2.0, "gemv": 1.0, road if rows == 1 else few: 0.0})
+
+    def fastest(rows: int) -> str:
+        return road if rows == 1 else few if rows <= 4 else later
+
+    # whatever this machine would time, the roads under test are the fastest at their buckets
+    monkeypatch.setattr(packed, "time_roads", lambda weights: {tuple(w.shape): {
+        rows: {"slabs": 4.0, "packed": 3.0, "plain": 2.0, "gemv": 1.0, fastest(rows): 0.0} for rows in packed.BUCKETS}
+        for w in weights})
     torch.manual_seed(0)
     layer = nn.Linear(64, 58)  # 58 = 2 x 29 rows
     head = nn.Linear(64, 29 * 3, bias=False)  # an odd row count, cut in 29 slabs of 3
@@ -132,76 +136,41 @@ def test_each_row_count_takes_its_timed_road_and_many_rows_the_packed_kernel(mon
         fast = PackedLinear(plain)
         entry = packed._PACKED[packed._key(plain.weight)]
         assert entry.slabs == packed.slabs_for(plain.out_features, torch.get_num_threads())
-        assert (entry.one_row, entry.few_rows) == (road, few)
-        for rows in (1, 2, 5, packed.FEW_ROWS, packed.FEW_ROWS + 1):
+        assert entry.roads == {rows: fastest(rows) for rows in packed.BUCKETS}
+        for rows in (1, 2, 3, 5, packed.FEW_ROWS, packed.FEW_ROWS + 1):
             x = torch.randn(rows, 64)
             with Ops() as seen:
                 y = fast(x)
             torch.testing.assert_close(y, plain(x), rtol=1e-5, atol=1e-5)
-            taken = road if rows == 1 else few if rows <= packed.FEW_ROWS else "packed"
+            taken = fastest(rows) if rows <= packed.FEW_ROWS else "packed"
             assert bool(seen.names & {"bmm", "baddbmm"}) == (taken == "slabs")
             assert ("_linear_pointwise" in seen.names) == (taken == "packed")
             assert bool(seen.names & {"addmm", "mm", "linear"}) == (taken == "plain")
             assert ("small_linear" in seen.names) == (taken == "gemv")
 
 
-@torch.inference_mode()
-def test_the_roads_are_the_fastest_timed_and_timed_once_per_shape_and_row_count(monkeypatch):
-    timed, time_roads = [], packed.time_roads
-
-    def fake_time(weight, packed_copy, slabs, rows):
-        timed.append((tuple(weight.shape), rows))
-        if rows > 1:
-            return {"packed": 2.0, "plain": 3.0, "gemv": 1.0}
-        return {"slabs": 2.0, "packed": 1.0, "plain": 3.0} if slabs > 1 else {"packed": 2.0, "plain": 1.0}
-
-    monkeypatch.setattr(packed, "_ROADS", {})
-    monkeypatch.setattr(packed, "time_roads", fake_time)
-    monkeypatch.setattr(packed, "streams_one_row", lambda weight: False)
-    torch.manual_seed(0)
-    a, b, c = nn.Linear(64, 58), nn.Linear(64, 58), nn.Linear(64, 7)  # 7 rows cannot be split
-    keep = [PackedLinear(m) for m in (a, b, c)]
-    entries = [packed._PACKED[packed._key(m.weight)] for m in (a, b, c)]
-    assert [(e.one_row, e.few_rows) for e in entries] == [("packed", "gemv"), ("packed", "gemv"), ("plain", "gemv")]
-    rows = packed.TIMED_ROWS
-    assert timed == [((58, 64), 1), ((58, 64), rows), ((7, 64), 1), ((7, 64), rows)]  # b's shape was already timed
-    kernel = {"gemv"} if gemv.load() else set()
-    for slabs, rows, roads in ((2, 1, {"slabs", "packed", "plain"}), (2, rows, {"packed", "plain"})):
-        seconds = time_roads(a.weight, entries[0].packed, slabs, rows)
-        assert set(seconds) == roads | kernel and all(t > 0 for t in seconds.values())
-    del keep
+def test_a_product_counts_as_the_next_power_of_two_rows():
+    assert [packed.bucket_of(n) for n in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
+    assert packed.BUCKETS == (1, 2, 4, 8, 16) and packed.BUCKETS[-1] == packed.FEW_ROWS
 
 
 @torch.inference_mode()
-def test_one_row_takes_the_streaming_kernel_untimed(monkeypatch):
-    """Timed alone, a weight is warm in cache; one row, a read from memory, takes the kernel
-    where its streaming path runs, whatever that timing says."""
-    monkeypatch.setattr(packed, "_ROADS", {})
-    monkeypatch.setattr(packed, "time_roads", lambda w, p, slabs, rows: {"packed": 0.0, "plain": 3.0, "slabs": 4.0,
-                                                                        "gemv": 1.0})
-    monkeypatch.setattr(gemv, "supports", lambda weight: True)  # so that the rule, not this CPU, decides
-    torch.manual_seed(0)
-    for streams in (True, False):
-        monkeypatch.setattr(packed, "streams_one_row", lambda weight: streams)
-        layer = nn.Linear(64, 32 + streams)  # a shape of its own each time: nothing cached
-        keep = PackedLinear(layer)
-        entry = packed._PACKED[packed._key(layer.weight)]
-        assert entry.one_row == ("gemv" if streams else "packed") and entry.few_rows == "packed"
-        del keep
-
-
-@torch.inference_mode()
-def test_a_compiled_step_takes_the_kernel_at_the_rows_it_was_timed_fastest_in_step_order(monkeypatch):
-    """Each road is timed over all the weights in order, each call's time added to its shape's."""
+def test_roads_are_timed_over_all_weights_in_step_order_once_per_process(monkeypatch):
+    """Each road is timed over all the weights in order, each call's time added to its shape's;
+    packing takes the fastest road at each bucket, a compiled step the kernel where it beats
+    both library roads."""
     if not gemv.load():
         pytest.skip("the small-batch kernel did not build here")
-    monkeypatch.setattr(packed, "_KERNEL_ROWS", {})
+    monkeypatch.setattr(packed, "_TIMINGS", {})
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # so both shapes split into 2 slabs
     clock, calls = iter(range(10**6)), []
 
     def multiply(road, rows, weight, copy, slabs, bias=None):
         calls.append((road, rows.shape[0], tuple(weight.shape)))
         next(clock)  # each call takes one tick of the fake clock, plus its road's and shape's cost:
-        extra = {"gemv": 0 if rows.shape[0] <= 2 or weight.shape[0] == 8 else 2, "packed": 1, "plain": 3}[road]
+        square = weight.shape[0] == 8
+        extra = {"gemv": 0 if square else 1 if rows.shape[0] <= 2 else 3, "packed": 2, "plain": 4,
+                 "slabs": 5 if square else 0}[road]
         for _ in range(extra):
             next(clock)
 
@@ -209,8 +178,26 @@ def test_a_compiled_step_takes_the_kernel_at_the_rows_it_was_timed_fastest_in_st
     monkeypatch.setattr(packed.time, "perf_counter", lambda: next(clock))
     torch.manual_seed(0)
     weights = [torch.randn(8, 16), torch.randn(12, 16), torch.randn(8, 16)]
-    rows = packed.kernel_rows(weights, rounds=3)
-    assert rows == {(8, 16): frozenset({1, 2, 4, 8, 16}), (12, 16): frozenset({1, 2})}
-    # every road, every bucket, (1 untimed + 3) passes over all three weights in order
-    assert len(calls) == 5 * 4 * 3 * 3 and calls[:3] == [("gemv", 1, (8, 16)), ("gemv", 1, (12, 16)), ("gemv", 1, (8, 16))]
-    assert packed.kernel_rows(weights, rounds=3) is rows and len(calls) == 5 * 4 * 3 * 3  # once per process
+    timings = packed.time_roads(weights, rounds=3)
+    # every road at every bucket, the slabs at one row only, (1 untimed + 3) passes over all three weights in order
+    assert len(calls) == (5 * 3 + 1) * 4 * 3
+    assert calls[:6] == [(road, 1, shape) for road in ("gemv", "packed") for shape in ((8, 16), (12, 16), (8, 16))]
+    assert set(timings[(12, 16)][1]) == {"gemv", "packed", "plain", "slabs"} and "slabs" not in timings[(12, 16)][2]
+    assert timings[(8, 16)][4] == {"gemv": 2 * 2, "packed": 2 * 4, "plain": 2 * 6}  # two weights of that shape: summed
+    assert packed.fastest_roads(weights) == {(8, 16): dict.fromkeys(packed.BUCKETS, "gemv"),
+                                             (12, 16): {1: "slabs", 2: "gemv", 4: "packed", 8: "packed", 16: "packed"}}
+    assert packed.kernel_rows(weights) == {(8, 16): frozenset(packed.BUCKETS), (12, 16): frozenset({1, 2})}
+    assert len(calls) == (5 * 3 + 1) * 4 * 3  # timed once per process
+
+
+@torch.inference_mode()
+def test_packing_a_model_times_its_weights_together_in_step_order(monkeypatch):
+    timed = []
+    monkeypatch.setattr(packed, "time_roads", lambda weights: timed.append([tuple(w.shape) for w in weights]) or {
+        tuple(w.shape): {rows: {"packed": 0.0, "plain": 1.0} for rows in packed.BUCKETS} for w in weights})
+    model = _model()
+    fast = pack_weights(model)
+    d, vocab = model.cfg.d_model, model.cfg.vocab_size
+    assert timed == [[(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * model.cfg.n_layers + [(vocab, d)]]
+    assert all(packed._PACKED[packed._key(w)].roads == dict.fromkeys(packed.BUCKETS, "packed")
+               for w in packed.step_weights(fast))

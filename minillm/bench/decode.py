@@ -59,14 +59,14 @@ def without_small_kernel():
     """Products as they were before the small-batch kernel: packing does not time its road, so
     never takes it, and a compiled step leaves its products to Inductor. The roads timed
     meanwhile are forgotten afterwards."""
-    saved = dict(packed._ROADS)
-    packed._ROADS.clear()
+    saved = dict(packed._TIMINGS)
+    packed._TIMINGS.clear()
     try:
         with mock.patch.object(gemv, "supports", lambda weight: False):
             yield
     finally:
-        packed._ROADS.clear()
-        packed._ROADS.update(saved)
+        packed._TIMINGS.clear()
+        packed._TIMINGS.update(saved)
 
 
 def prompts(batch: int, vocab: int) -> list[list[int]]:

@@ -9,8 +9,10 @@ thread streams its own slab of the weight's rows as stored, one ``bmm`` over
 ``[slabs, out / slabs, in]`` (:func:`slabs_for`), 1.2-1.5x faster than oneDNN there, but
 slower on a Xeon with AMX, where plain ``F.linear`` beat both on some shapes. Up to
 :data:`FEW_ROWS` rows, :mod:`minillm.speedups.gemv`'s C++ kernel, which reads each weight once
-for all of them. Which is fastest depends on the CPU and the shape, so packing times the roads
-per shape at one row and at :data:`TIMED_ROWS` (:func:`road`); more rows take oneDNN's GEMM.
+for all of them. Which is fastest depends on the CPU, the shape and the row count, so packing
+times every road over the whole model's weights in the order a step reads them, at 1, 2, 4, 8
+and 16 rows (:func:`time_roads`), and a product takes the fastest at its row count's bucket;
+more rows take oneDNN's GEMM.
 
 :func:`pack_weights` returns a copy of the model that shares every parameter and multiplies
 through the packed copies (the only new memory). Eager steps only (a compiled step lets
@@ -37,20 +39,29 @@ from minillm.model.gpt import GPT, TokenEmbedding
 from minillm.speedups import gemv
 from minillm.speedups.quant import is_quantized
 
-# Products of 2 to FEW_ROWS rows take the road timed at TIMED_ROWS rows; more rows, oneDNN's GEMM.
-FEW_ROWS, TIMED_ROWS = 16, 8
+# Products of up to FEW_ROWS rows take the road timed fastest at their bucket (BUCKETS: a
+# product of n rows counts as the smallest bucket >= n, as a compiled step pads it); more rows,
+# oneDNN's GEMM.
+FEW_ROWS = 16
+BUCKETS = tuple(1 << i for i in range(FEW_ROWS.bit_length()))
+
+
+def bucket_of(rows: int) -> int:
+    """The bucket a product of ``rows`` rows takes its road from: the next power of two."""
+    return 1 << (rows - 1).bit_length()
+
 
 @dataclass
 class PackedWeight:
-    """A weight's packed copy, how many modules use it, and how a product by it goes at one row
-    and at two to :data:`FEW_ROWS`, whichever road was timed fastest: ``"slabs"`` (one row only:
-    ``slabs`` slabs of rows, :func:`slabs_for`), ``"packed"`` (oneDNN's kernel), ``"plain"``
-    (``F.linear`` on the weight as stored) or ``"gemv"`` (:func:`minillm.speedups.gemv.small_linear`)."""
+    """A weight's packed copy, how many modules use it, and the road a product by it takes at
+    each of :data:`BUCKETS`, whichever :func:`fastest_roads` timed fastest: ``"slabs"`` (one row
+    only: ``slabs`` slabs of rows, :func:`slabs_for`), ``"packed"`` (oneDNN's kernel),
+    ``"plain"`` (``F.linear`` on the weight as stored) or ``"gemv"``
+    (:func:`minillm.speedups.gemv.small_linear`)."""
 
     packed: torch.Tensor
     users: int
-    one_row: str
-    few_rows: str
+    roads: dict[int, str]
     slabs: int
 
 
@@ -74,16 +85,20 @@ def slabs_for(out_features: int, threads: int) -> int:
     return 1
 
 
+def _slabs(weight: torch.Tensor) -> int:
+    return slabs_for(weight.shape[0], torch.get_num_threads()) if weight.is_contiguous() else 1
+
+
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` by the road timed fastest for ``weight`` at this many rows
-    (:func:`road`), oneDNN's kernel on the packed copy past :data:`FEW_ROWS`. A weight with no
-    packed copy (it was cast or moved after packing) takes the plain product: same result."""
+    """``F.linear(x, weight, bias)`` by the road timed fastest for ``weight`` at this many rows'
+    bucket, oneDNN's kernel on the packed copy past :data:`FEW_ROWS`. A weight with no packed
+    copy (it was cast or moved after packing) takes the plain product: same result."""
     entry = _PACKED.get(_key(weight))
     if entry is None:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
-    chosen = entry.one_row if n == 1 else entry.few_rows if n <= FEW_ROWS else "packed"
+    chosen = entry.roads[bucket_of(n)] if n <= FEW_ROWS else "packed"
     return multiply(chosen, rows, weight, entry.packed, entry.slabs, bias).view(*x.shape[:-1], weight.shape[0])
 
 
@@ -108,62 +123,15 @@ def multiply(road: str, rows: torch.Tensor, weight: torch.Tensor, packed: torch.
     return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
 
-def _pack(owner: nn.Module, weight: torch.Tensor) -> None:
+def _pack(owner: nn.Module, weight: torch.Tensor, roads: dict[int, str]) -> None:
     """Pack ``weight`` for as long as ``owner`` (or another module packing it) lives."""
     key = _key(weight)
     if key in _PACKED:
         _PACKED[key].users += 1
     else:
         weight = weight.detach()
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        slabs = slabs_for(weight.shape[0], torch.get_num_threads()) if weight.is_contiguous() else 1
-        one_row = "gemv" if streams_one_row(weight) else road(weight, packed, slabs, 1)
-        _PACKED[key] = PackedWeight(packed, 1, one_row, road(weight, packed, slabs, TIMED_ROWS), slabs)
+        _PACKED[key] = PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight), 1, dict(roads), _slabs(weight))
     weakref.finalize(owner, _release, key)
-
-
-def streams_one_row(weight: torch.Tensor) -> bool:
-    """Whether a one-row product by ``weight`` takes the small-batch kernel without timing: where
-    its AVX-512 path runs (the one that asks for the next block of weight rows while it reads
-    one). One row is a read of the weight from memory, and a road timed alone finds its weight
-    warm in a cache on every call but the first, which is not how a step finds it: on a 2-core
-    Xeon (51M shape, fp32) the timing picked oneDNN's kernel for some shapes, and a step with
-    oneDNN for every one-row product took 16-18 ms against 10.3-10.9 with the kernel for all."""
-    return gemv.supports(weight) and gemv.paths(weight.dtype)[0] == "avx512"
-
-
-# The fastest road by (shape, dtype, threads, slabs, rows): timed once per process.
-_ROADS: dict[tuple, str] = {}
-
-
-def road(weight: torch.Tensor, packed: torch.Tensor, slabs: int, rows: int) -> str:
-    """How :func:`packed_linear` multiplies ``rows`` rows by ``weight``: whichever road
-    :func:`time_roads` found fastest, timed once per shape and process (it depends on the CPU)."""
-    key = (tuple(weight.shape), weight.dtype, torch.get_num_threads(), slabs, rows)
-    if key not in _ROADS:
-        seconds = time_roads(weight, packed, slabs, rows)
-        _ROADS[key] = min(seconds, key=seconds.get)
-    return _ROADS[key]
-
-
-@torch.inference_mode()
-def time_roads(weight: torch.Tensor, packed: torch.Tensor, slabs: int, rows: int,
-               rounds: int = 7) -> dict[str, float]:
-    """Median seconds of ``rows`` rows multiplied by ``weight`` on each road, over ``rounds``
-    interleaved rounds after one untimed call each: oneDNN's, plain ``F.linear``, the small-batch
-    kernel where it builds, and the slabs for one row where ``slabs`` > 1."""
-    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-    roads = {name: (lambda name=name: multiply(name, x, weight, packed, slabs))
-             for name in roads_for(weight, slabs, rows)}
-    seconds: dict[str, list[float]] = {name: [] for name in roads}
-    for run in roads.values():
-        run()
-    for _ in range(rounds):
-        for name, run in roads.items():
-            start = time.perf_counter()
-            run()
-            seconds[name].append(time.perf_counter() - start)
-    return {name: statistics.median(times) for name, times in seconds.items()}
 
 
 def roads_for(weight: torch.Tensor, slabs: int, rows: int) -> list[str]:
@@ -174,6 +142,58 @@ def roads_for(weight: torch.Tensor, slabs: int, rows: int) -> list[str]:
             *(["gemv"] if gemv.supports(weight) else [])]
 
 
+Timings = dict[tuple[int, ...], dict[int, dict[str, float]]]  # {shape: {bucket: {road: seconds}}}
+_TIMINGS: dict[tuple, Timings] = {}  # by (the weights' shapes, dtype, threads): timed once per process
+
+
+@torch.inference_mode()
+def time_roads(weights: list[torch.Tensor], rounds: int = 5) -> Timings:
+    """For each weight shape and each of :data:`BUCKETS`, the median seconds of a step's products
+    by that shape on each road of :func:`roads_for`, summed over the weights of that shape.
+
+    Every road is timed over all of ``weights`` in the order a step reads them, so each call
+    finds its weight in memory, as a step does. Timed alone, a weight is warm in a cache on
+    every call but the first, and that is not a decode step: on a 2-core Xeon with AMX (51M
+    shape) the warm timing picked oneDNN for some one-row products, and a step with oneDNN for
+    every one-row product took 16-18 ms against 10.3-10.9 ms with the small-batch kernel; it
+    also picked the kernel for bf16 products of four rows, 1.3x slower in a real step. Medians
+    of ``rounds`` passes after one untimed pass per road, once per process."""
+    key = (tuple(tuple(w.shape) for w in weights), weights[0].dtype, torch.get_num_threads())
+    if key not in _TIMINGS:
+        copies = [torch.ops.mkldnn._reorder_linear_weight(w.detach()) for w in weights]
+        slabs = [_slabs(w) for w in weights]
+        timings: Timings = {tuple(w.shape): {} for w in weights}
+        for rows in BUCKETS:
+            inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
+            passes: dict[tuple, dict[str, list[float]]] = {shape: {} for shape in timings}
+            for round_ in range(rounds + 1):  # the first pass of each road is not timed
+                for road_ in ("gemv", "packed", "plain", "slabs"):
+                    totals: dict[tuple, float] = {}
+                    for weight, copy_, slabs_ in zip(weights, copies, slabs):
+                        if road_ in roads_for(weight, slabs_, rows):
+                            start = time.perf_counter()
+                            multiply(road_, inputs[weight.shape[1]], weight, copy_, slabs_)
+                            shape = tuple(weight.shape)
+                            totals[shape] = totals.get(shape, 0.0) + time.perf_counter() - start
+                    for shape, seconds in totals.items():
+                        passes[shape].setdefault(road_, []).extend([seconds] if round_ else [])
+            for shape, by_road in passes.items():
+                timings[shape][rows] = {road_: statistics.median(times) for road_, times in by_road.items()}
+        _TIMINGS[key] = timings
+    return _TIMINGS[key]
+
+
+def fastest_roads(weights: list[torch.Tensor]) -> dict[tuple[int, ...], dict[int, str]]:
+    """For each weight shape, the road :func:`time_roads` found fastest at each bucket."""
+    return {shape: {rows: min(seconds, key=seconds.get) for rows, seconds in by_rows.items()}
+            for shape, by_rows in time_roads(weights).items()}
+
+
+def step_weights(model: GPT) -> list[torch.Tensor]:
+    """``model``'s matrices in the order a step multiplies by them: each block's, then the LM head."""
+    return [m.weight for m in model.modules() if type(m) is nn.Linear] + [model.tok_emb.weight]
+
+
 def _release(key: tuple[int, tuple[int, ...]]) -> None:
     entry = _PACKED[key]
     entry.users -= 1
@@ -182,12 +202,13 @@ def _release(key: tuple[int, tuple[int, ...]]) -> None:
 
 
 class PackedLinear(nn.Module):
-    """An ``nn.Linear`` whose product reads a prepacked copy of the (shared) weight."""
+    """An ``nn.Linear`` whose product reads a prepacked copy of the (shared) weight, taking
+    ``roads`` (a road by bucket, as :func:`fastest_roads` gives; None times this weight alone)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, roads: dict[int, str] | None = None) -> None:
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
-        _pack(self, self.weight)
+        _pack(self, self.weight, roads or fastest_roads([self.weight])[tuple(self.weight.shape)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self.weight, self.bias)
@@ -196,10 +217,10 @@ class PackedLinear(nn.Module):
 class PackedTokenEmbedding(TokenEmbedding):
     """The token table: rows looked up as stored, the tied projection through a packed copy."""
 
-    def __init__(self, embedding: TokenEmbedding) -> None:
+    def __init__(self, embedding: TokenEmbedding, roads: dict[int, str] | None = None) -> None:
         super().__init__(embedding.num_embeddings, embedding.embedding_dim, _weight=embedding.weight)
         self.weight = embedding.weight
-        _pack(self, self.weight)
+        _pack(self, self.weight, roads or fastest_roads([self.weight])[tuple(self.weight.shape)])
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         return packed_linear(hidden, self.weight, None)
@@ -221,11 +242,14 @@ def packing_unsupported(model: nn.Module) -> str | None:
 
 
 def pack_weights(model: GPT) -> GPT:
-    """A copy of ``model`` that shares its parameters and multiplies through packed weights."""
+    """A copy of ``model`` that shares its parameters and multiplies through packed weights,
+    each product by the road timed fastest for its shape and row count (:func:`fastest_roads`)."""
     reason = packing_unsupported(model)
     if reason is not None:
         raise ValueError(reason)
-    return with_products(model, PackedLinear, PackedTokenEmbedding)
+    roads = fastest_roads(step_weights(model))
+    return with_products(model, lambda linear: PackedLinear(linear, roads[tuple(linear.weight.shape)]),
+                         lambda table: PackedTokenEmbedding(table, roads[tuple(table.weight.shape)]))
 
 
 def with_products(model: GPT, linear: Callable[[nn.Linear], nn.Module],
@@ -243,40 +267,13 @@ def with_products(model: GPT, linear: Callable[[nn.Linear], nn.Module],
     return copied
 
 
-@torch.inference_mode()
-def kernel_rows(weights: list[torch.Tensor], rounds: int = 5) -> dict[tuple, frozenset[int]]:
-    """For each weight shape, the row counts of a compiled step's buckets (1, 2, 4, ... up to
-    :data:`FEW_ROWS`) at which the small-batch kernel multiplies faster than the library: oneDNN's
-    kernel on a packed copy, or plain ``F.linear`` (what a frozen compiled step would otherwise
-    call). Every road is timed over all of ``weights`` in the order a step reads them, so each
-    call finds its weight in memory, as a step does; timed alone, a weight is warm in a cache,
-    and that picked the kernel for bf16 products of four rows, which in a real step on a 2-core
-    Xeon with AMX ran 1.3x slower than oneDNN's. Medians of ``rounds`` passes, per process."""
-    key = (tuple(tuple(w.shape) for w in weights), weights[0].dtype, torch.get_num_threads())
-    if key not in _KERNEL_ROWS:
-        copies = [torch.ops.mkldnn._reorder_linear_weight(w.detach()) for w in weights]
-        rows_by_shape: dict[tuple, set[int]] = {tuple(w.shape): set() for w in weights}
-        for rows in [1 << i for i in range(FEW_ROWS.bit_length()) if 1 << i <= FEW_ROWS]:
-            inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
-            passes: dict[tuple, dict[str, list[float]]] = {shape: {} for shape in rows_by_shape}
-            for round_ in range(rounds + 1):  # the first pass of each road is not timed
-                for road_ in ("gemv", "packed", "plain"):
-                    totals = dict.fromkeys(rows_by_shape, 0.0)
-                    for weight, copy_ in zip(weights, copies):
-                        start = time.perf_counter()
-                        multiply(road_, inputs[weight.shape[1]], weight, copy_, 1)
-                        totals[tuple(weight.shape)] += time.perf_counter() - start
-                    for shape, seconds in totals.items():
-                        passes[shape].setdefault(road_, []).extend([seconds] if round_ else [])
-            for shape, by_road in passes.items():
-                medians = {road_: statistics.median(times) for road_, times in by_road.items()}
-                if min(medians, key=medians.get) == "gemv":
-                    rows_by_shape[shape].add(rows)
-        _KERNEL_ROWS[key] = {shape: frozenset(rows) for shape, rows in rows_by_shape.items()}
-    return _KERNEL_ROWS[key]
-
-
-_KERNEL_ROWS: dict[tuple, dict[tuple, frozenset[int]]] = {}  # by (the weights' shapes, dtype, threads)
+def kernel_rows(weights: list[torch.Tensor]) -> dict[tuple, frozenset[int]]:
+    """For each weight shape, the buckets at which :func:`time_roads` found the small-batch
+    kernel faster than the library: oneDNN's kernel on a packed copy, and plain ``F.linear``
+    (what a frozen compiled step would otherwise call)."""
+    return {shape: frozenset(rows for rows, seconds in by_rows.items()
+                             if "gemv" in seconds and seconds["gemv"] < min(seconds["packed"], seconds["plain"]))
+            for shape, by_rows in time_roads(weights).items()}
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -323,7 +320,6 @@ def small_batch_products(model: GPT) -> GPT | None:
         return None
     if model.dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported():
         return None
-    weights = [m.weight for m in model.modules() if type(m) is nn.Linear] + [model.tok_emb.weight]
-    rows = kernel_rows(weights)
+    rows = kernel_rows(step_weights(model))
     return with_products(model, lambda linear: SmallBatchLinear(linear, rows[tuple(linear.weight.shape)]),
                          lambda table: SmallBatchTokenEmbedding(table, rows[tuple(table.weight.shape)]))
