@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from minillm.model.gpt import GPT, TokenEmbedding
 from minillm.speedups import gemv
+from minillm.speedups.huge_pages import into_huge_pages
 from minillm.speedups.quant import is_quantized
 
 # Products of up to FEW_ROWS rows take the road timed fastest at their bucket (BUCKETS: a
@@ -243,10 +244,13 @@ def packing_unsupported(model: nn.Module) -> str | None:
 
 def pack_weights(model: GPT) -> GPT:
     """A copy of ``model`` that shares its parameters and multiplies through packed weights,
-    each product by the road timed fastest for its shape and row count (:func:`fastest_roads`)."""
+    each product by the road timed fastest for its shape and row count (:func:`fastest_roads`).
+    The parameters first move into 2 MB pages where the OS allows (:func:`into_huge_pages`: the
+    same objects and numbers at new addresses), before anything here knows them by address."""
     reason = packing_unsupported(model)
     if reason is not None:
         raise ValueError(reason)
+    into_huge_pages(model)
     roads = fastest_roads(step_weights(model))
     return with_products(model, lambda linear: PackedLinear(linear, roads[tuple(linear.weight.shape)]),
                          lambda table: PackedTokenEmbedding(table, roads[tuple(table.weight.shape)]))
