@@ -172,7 +172,7 @@ def test_the_round_costs_are_timed_through_the_engine_before_it_serves(target, d
 def test_the_measured_choice_tries_both_then_keeps_the_faster_and_retries_the_other() -> None:
     from minillm.speedups.speculative.crossover import MeasuredChoice
 
-    choice = MeasuredChoice(retry_every=4)
+    choice = MeasuredChoice(retry_every=4, retry_budget=100)  # a budget no trial's cost stretches the waits for
     assert choice.choose(4) is True  # untimed: speculation first
     choice.record(4, True, seconds=1.0, tokens_per_sequence=1.0)  # switched to speculation: the catch-up, not counted
     assert choice.choose(4) is True and choice.buckets[3].speculative is None
@@ -190,6 +190,33 @@ def test_the_measured_choice_tries_both_then_keeps_the_faster_and_retries_the_ot
     for _ in range(20):  # the drafter got better: speculative steps now 5 ms a token
         choice.record(4, True, seconds=0.010, tokens_per_sequence=2.0)
     assert choice.choose(4) is True
+
+
+def test_a_dear_trial_of_speculation_waits_until_its_cost_is_within_the_budget() -> None:
+    """Where plain decoding is faster, the next trial of speculation waits until the last
+    trial's cost beyond plain steps (its two steps' time less what plain steps take for the
+    same tokens) is at most ``retry_budget`` of the plain steps in between."""
+    from minillm.speedups.speculative.crossover import MeasuredChoice
+
+    def first_trial(switch_seconds: float) -> list[int]:
+        choice = MeasuredChoice(retry_every=4, max_retry_every=10**6, retry_budget=0.02)
+        choice.choose(8)
+        choice.record(8, True, seconds=switch_seconds, tokens_per_sequence=1.0)  # the switch: catch-up and all
+        choice.choose(8)
+        choice.record(8, True, seconds=0.030, tokens_per_sequence=2.0)
+        choice.choose(8)
+        choice.record(8, False, seconds=0.010, tokens_per_sequence=1.0)  # plain: 10 ms a token, the faster
+        steps = []
+        for _ in range(3000):
+            speculated = choice.choose(8)
+            steps.append(speculated)
+            choice.record(8, speculated, 0.030 if speculated else 0.010, 2.0 if speculated else 1.0)
+        return [i for i, speculated in enumerate(steps) if speculated]
+
+    # a cheap trial: 35.1 ms for 3 tokens, 5.1 ms beyond 3 plain steps: 2% of 25.5 plain steps
+    assert first_trial(0.0051)[:2] == [25, 26]
+    # a dear one, whose switch caught up on much: 0.5301 s for 3 tokens, 0.5001 s beyond: 2% of 2,500.5 steps
+    assert first_trial(0.5001)[:2] == [2500, 2501]
 
 
 def test_the_engine_times_both_ways_and_its_output_stays_the_targets(target, draft, reference) -> None:

@@ -12,6 +12,7 @@ the round's timed parts beside the measurement.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -31,6 +32,8 @@ class _Timings:
     retry_every: int = 0  # steps between retries of the slower variant (0: not decided yet)
     faster: bool | None = None  # the variant found faster at the last retry (True: speculative)
     trying: bool = False  # speculation is being retried, until one of its steps is timed
+    trial_seconds: float = 0.0  # the latest trial of speculation: its two steps' seconds,
+    trial_tokens: float = 0.0  # and the tokens per sequence they gained
 
 
 class MeasuredChoice:
@@ -52,10 +55,16 @@ class MeasuredChoice:
     That catch-up is the price of switching to speculation, not of a speculative step: a step
     that speculates after one that did not is left untimed, and the trial goes on to the next
     (else a retry would time the catch-up of every token since the last, and speculation would
-    look slower for ever than it is)."""
+    look slower for ever than it is). It is a price all the same, and at a large batch, where
+    the draft catches up on every sequence, a trial can cost many plain steps: so where plain
+    decoding is the faster, the wait before the next trial is at least what keeps the trials'
+    cost (the time of their two steps beyond what plain steps would have taken for the same
+    tokens) within ``retry_budget`` of the time between them."""
 
-    def __init__(self, retry_every: int = 64, max_retry_every: int = 4096, smoothing: float = 0.25) -> None:
+    def __init__(self, retry_every: int = 64, max_retry_every: int = 4096, smoothing: float = 0.25,
+                 retry_budget: float = 0.02) -> None:
         self.retry_every, self.max_retry_every, self.smoothing = retry_every, max_retry_every, smoothing
+        self.retry_budget = retry_budget
         self.buckets: dict[int, _Timings] = {}
         self._speculated = False  # whether the latest timed-or-not decode step speculated
 
@@ -68,21 +77,35 @@ class MeasuredChoice:
             return False
         faster = t.speculative < t.plain
         if faster != t.faster:  # decided for the first time, or the answer changed
-            t.faster, t.retry_every, t.since_retry = faster, self.retry_every, 0
+            t.faster, t.retry_every, t.since_retry = faster, max(self.retry_every, self._least_wait(t)), 0
         t.since_retry += 1
         if t.since_retry >= t.retry_every:
-            t.since_retry, t.retry_every = 0, min(2 * t.retry_every, self.max_retry_every)
+            wait = max(2 * t.retry_every, self._least_wait(t))
+            t.since_retry, t.retry_every = 0, min(wait, self.max_retry_every)
             t.trying = not faster
             return not faster
         return faster
+
+    def _least_wait(self, t: _Timings) -> int:
+        """Steps to wait before trying speculation again where plain decoding is faster, so that
+        the last trial's cost is at most ``retry_budget`` of the plain steps between trials
+        (0 where speculation is the faster, or no trial was timed)."""
+        if t.faster or t.plain is None or not t.trial_tokens:
+            return 0
+        extra = t.trial_seconds - t.trial_tokens * t.plain  # beyond plain steps for the same tokens
+        return math.ceil(max(extra, 0.0) / (self.retry_budget * t.plain))
 
     def record(self, batch: int, speculative: bool, seconds: float, tokens_per_sequence: float) -> None:
         """Count a decode-only step of ``batch`` sequences that took ``seconds`` (a step that
         switched to speculation is not counted)."""
         switched, self._speculated = speculative and not self._speculated, speculative
-        if switched:
-            return
         t = self.buckets.setdefault(bucket(batch), _Timings())
+        if switched:  # a trial of speculation begins: its cost counts towards the wait for the next
+            t.trial_seconds, t.trial_tokens = seconds, tokens_per_sequence
+            return
+        if speculative and (t.trying or t.speculative is None):  # the trial's timed step
+            t.trial_seconds += seconds
+            t.trial_tokens += tokens_per_sequence
         t.trying = False
         per_token = seconds / tokens_per_sequence
         old = t.speculative if speculative else t.plain
