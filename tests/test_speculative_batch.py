@@ -172,7 +172,8 @@ def test_the_round_costs_are_timed_through_the_engine_before_it_serves(target, d
 def test_the_measured_choice_tries_both_then_keeps_the_faster_and_retries_the_other() -> None:
     from minillm.speedups.speculative.crossover import MeasuredChoice
 
-    choice = MeasuredChoice(retry_every=4, retry_budget=100)  # a budget no trial's cost stretches the waits for
+    # one timed step of each to decide, and a budget no trial's cost stretches the waits for
+    choice = MeasuredChoice(retry_every=4, retry_budget=100, first_steps=1)
     assert choice.choose(4) is True  # untimed: speculation first
     choice.record(4, True, seconds=1.0, tokens_per_sequence=1.0)  # switched to speculation: the catch-up, not counted
     assert choice.choose(4) is True and choice.buckets[3].speculative is None
@@ -192,6 +193,21 @@ def test_the_measured_choice_tries_both_then_keeps_the_faster_and_retries_the_ot
     assert choice.choose(4) is True
 
 
+def test_the_measured_choice_takes_medians_so_one_slow_step_does_not_decide() -> None:
+    from minillm.speedups.speculative.crossover import MeasuredChoice
+
+    choice = MeasuredChoice(first_steps=3)
+    steps, plain_seconds = [], iter([0.010, 0.090, 0.010])  # one plain step hit by an 80 ms pause
+    for _ in range(7):
+        speculated = choice.choose(2)
+        steps.append(speculated)
+        choice.record(2, speculated, 0.030 if speculated else next(plain_seconds), 2.0 if speculated else 1.0)
+    # a switch and three timed speculative steps (15 ms a token), then three plain (10, 90, 10 ms)
+    assert steps == [True, True, True, True, False, False, False]
+    assert choice.buckets[2].plain == pytest.approx(0.010)  # their average: 37 ms, above speculation's 15
+    assert choice.choose(2) is False  # plain, the faster, despite the slow step
+
+
 def test_a_dear_trial_of_speculation_waits_until_its_cost_is_within_the_budget() -> None:
     """Where plain decoding is faster, the next trial of speculation waits until the last
     trial's cost beyond plain steps (its two steps' time less what plain steps take for the
@@ -199,7 +215,7 @@ def test_a_dear_trial_of_speculation_waits_until_its_cost_is_within_the_budget()
     from minillm.speedups.speculative.crossover import MeasuredChoice
 
     def first_trial(switch_seconds: float) -> list[int]:
-        choice = MeasuredChoice(retry_every=4, max_retry_every=10**6, retry_budget=0.02)
+        choice = MeasuredChoice(retry_every=4, max_retry_every=10**6, retry_budget=0.02, first_steps=1)
         choice.choose(8)
         choice.record(8, True, seconds=switch_seconds, tokens_per_sequence=1.0)  # the switch: catch-up and all
         choice.choose(8)
@@ -221,15 +237,15 @@ def test_a_dear_trial_of_speculation_waits_until_its_cost_is_within_the_budget()
 
 def test_the_engine_times_both_ways_and_its_output_stays_the_targets(target, draft, reference) -> None:
     """Without a given limit the engine times its own decode steps both ways at each batch
-    size: its first two decode steps at a size speculate (the first, which switches to
-    speculation, is not timed), its third does not, and from then on the faster decides; the
-    tokens stay the target's all along."""
+    size: its first four decode steps at a size speculate (the first, which switches to
+    speculation, is not timed), the next three do not, and from then on the faster decides;
+    the tokens stay the target's all along."""
     speculator = Speculator.with_draft_model(draft, target, 3)
     engine = SpeculativeEngine(target, EngineConfig(num_blocks=64, block_size=8), speculator=speculator)
     tokens, lookaheads = run_steps(engine, {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)})
     assert [tokens[str(i)] for i in range(len(PROMPTS))] == reference
     decode_steps = lookaheads[1:]  # after the prefill, four decodes a step
-    assert all(decode_steps[0] + decode_steps[1]) and not any(decode_steps[2])  # speculation first, then a plain step
+    assert all(sum(decode_steps[:4], [])) and not any(sum(decode_steps[4:7], []))  # speculation first, then plain
     timed = speculator.measured.buckets[3]  # batch 4
     assert timed.plain is not None and timed.speculative is not None
 

@@ -13,7 +13,9 @@ the round's timed parts beside the measurement.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 
 
 def bucket(batch: int) -> int:
@@ -23,17 +25,30 @@ def bucket(batch: int) -> int:
 
 @dataclass
 class _Timings:
-    """Smoothed seconds per token of a bucket's decode steps, plain and speculative (None:
-    not measured yet), and the steps decided there since the losing variant was last tried."""
+    """A bucket's latest seconds per token of decode steps, plain and speculative, and the steps
+    decided there since the losing variant was last tried."""
 
-    plain: float | None = None
-    speculative: float | None = None
+    plain_samples: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    speculative_samples: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     since_retry: int = 0
     retry_every: int = 0  # steps between retries of the slower variant (0: not decided yet)
     faster: bool | None = None  # the variant found faster at the last retry (True: speculative)
     trying: bool = False  # speculation is being retried, until one of its steps is timed
-    trial_seconds: float = 0.0  # the latest trial of speculation: its two steps' seconds,
+    trial_seconds: float = 0.0  # the latest trial of speculation: its steps' seconds,
     trial_tokens: float = 0.0  # and the tokens per sequence they gained
+
+    @property
+    def plain(self) -> float | None:
+        """Seconds per token of a plain step: the median of the latest (None: none timed)."""
+        return statistics.median(self.plain_samples) if self.plain_samples else None
+
+    @property
+    def speculative(self) -> float | None:
+        """Seconds per token a speculative step gained each sequence: the median of the latest."""
+        return statistics.median(self.speculative_samples) if self.speculative_samples else None
+
+
+WINDOW = 5  # the latest timed steps of each variant whose median is its estimate
 
 
 class MeasuredChoice:
@@ -43,9 +58,11 @@ class MeasuredChoice:
     (building the draft's steps, the catch-up of the draft's cache, judging, appending several
     tokens), which on a small model is most of the difference. So the engine times its
     decode-only steps, per batch-size :func:`bucket`, as seconds per token each sequence gained:
-    a plain step's time, or a speculative step's time over its tokens per sequence. A bucket
-    tries each variant once (speculation first: it is what a draft was given for), then takes
-    the faster, and tries the slower again
+    a plain step's time, or a speculative step's time over its tokens per sequence, each
+    variant's estimate the median of its latest :data:`WINDOW` steps (one slow step, a garbage
+    collection or a page fault, moves a median not at all, where it moved an average for many
+    steps after). A bucket first times ``first_steps`` steps of each variant (speculation first:
+    it is what a draft was given for), then takes the faster, and tries the slower again
     after ``retry_every`` steps there, so a drafter whose acceptance changes is followed. Each
     retry that finds the same variant faster doubles the wait before the next (up to
     ``max_retry_every``), so a variant that keeps losing costs ever fewer slow steps; a retry
@@ -58,12 +75,12 @@ class MeasuredChoice:
     look slower for ever than it is). It is a price all the same, and at a large batch, where
     the draft catches up on every sequence, a trial can cost many plain steps: so where plain
     decoding is the faster, the wait before the next trial is at least what keeps the trials'
-    cost (the time of their two steps beyond what plain steps would have taken for the same
+    cost (the time of their steps beyond what plain steps would have taken for the same
     tokens) within ``retry_budget`` of the time between them."""
 
-    def __init__(self, retry_every: int = 64, max_retry_every: int = 4096, smoothing: float = 0.25,
+    def __init__(self, retry_every: int = 64, max_retry_every: int = 4096, first_steps: int = 3,
                  retry_budget: float = 0.02) -> None:
-        self.retry_every, self.max_retry_every, self.smoothing = retry_every, max_retry_every, smoothing
+        self.retry_every, self.max_retry_every, self.first_steps = retry_every, max_retry_every, first_steps
         self.retry_budget = retry_budget
         self.buckets: dict[int, _Timings] = {}
         self._speculated = False  # whether the latest timed-or-not decode step speculated
@@ -71,9 +88,9 @@ class MeasuredChoice:
     def choose(self, batch: int) -> bool:
         """Speculate in a step of ``batch`` decodes? Call once per step."""
         t = self.buckets.setdefault(bucket(batch), _Timings())
-        if t.speculative is None or t.trying:
-            return True  # speculation first, until one of its steps is timed
-        if t.plain is None:
+        if len(t.speculative_samples) < self.first_steps or t.trying:
+            return True  # speculation first, until its first steps are timed
+        if len(t.plain_samples) < self.first_steps:
             return False
         faster = t.speculative < t.plain
         if faster != t.faster:  # decided for the first time, or the answer changed
@@ -103,14 +120,8 @@ class MeasuredChoice:
         if switched:  # a trial of speculation begins: its cost counts towards the wait for the next
             t.trial_seconds, t.trial_tokens = seconds, tokens_per_sequence
             return
-        if speculative and (t.trying or t.speculative is None):  # the trial's timed step
+        if speculative and (t.trying or len(t.speculative_samples) < self.first_steps):  # the trial's timed steps
             t.trial_seconds += seconds
             t.trial_tokens += tokens_per_sequence
         t.trying = False
-        per_token = seconds / tokens_per_sequence
-        old = t.speculative if speculative else t.plain
-        new = per_token if old is None else old + self.smoothing * (per_token - old)
-        if speculative:
-            t.speculative = new
-        else:
-            t.plain = new
+        (t.speculative_samples if speculative else t.plain_samples).append(seconds / tokens_per_sequence)
