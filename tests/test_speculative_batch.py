@@ -278,6 +278,21 @@ def test_the_draft_models_cache_shares_the_kv_cache_budget(target, draft) -> Non
     assert LLM(target, kv_cache_memory=budget, block_size=block_size).engine.pool.num_blocks > engine.pool.num_blocks
 
 
+def test_a_captured_engine_verifies_eagerly_and_runs_its_plain_steps_captured(target, draft, reference) -> None:
+    """With captured decode steps, a verification (several query rows a sequence, which no
+    decode program takes) runs eagerly, and the plain steps the timed choice picks run the
+    captured programs; the tokens stay the target's."""
+    llm = LLM(target, num_blocks=64, block_size=8, max_num_seqs=4, enforce_eager=False,
+              speculative_draft=draft, num_speculative_tokens=3)
+    graphs = llm.engine.graphs
+    assert graphs is not None
+    ran, program = [], graphs.program
+    graphs.program = lambda b: ran.append(b) or program(b)
+    assert [out.token_ids for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+    assert llm.engine.speculator.stats.drafted > 0  # the first steps at batch 4 speculated
+    assert ran and set(ran) <= {4}  # then plain steps, through the batch-4 program
+
+
 def test_several_choices_of_one_request_speculate_side_by_side(target, draft) -> None:
     """``n`` > 1 through the server: the choices are sequences of one prompt, admitted and
     drafted together; greedy, each is the plain engine's answer."""
