@@ -213,3 +213,18 @@ def test_the_host_benchmark_accounts_for_each_step_and_saves_its_report(tmp_path
 def test_the_host_benchmark_names_a_bad_flag() -> None:
     with pytest.raises(UsageError, match="--methods"):
         main(["host", "--methods", "eager,fast"])
+
+
+def test_the_quiet_profiler_counts_operators_and_leaves_no_native_lines_behind(capfd):
+    import os
+
+    from torch.profiler import ProfilerActivity
+
+    from minillm.bench.profile import quiet_profile
+
+    with quiet_profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(4) + 1
+    assert any(event.key == "aten::add" for event in prof.key_averages())
+    os.write(2, b"still heard\n")  # the error stream is put back afterwards
+    err = capfd.readouterr().err
+    assert "still heard" in err and "profiler_start" not in err and "profiler_stop" not in err

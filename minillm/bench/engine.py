@@ -149,8 +149,14 @@ def as_transformers(model: GPT):
         return None
     from minillm.export.hf import export_hf
 
+    from transformers.utils import logging as hf_logging
+
     with tempfile.TemporaryDirectory() as tmp:
-        hf = GPT2LMHeadModel.from_pretrained(export_hf(model, tmp), dtype=model.dtype)
+        hf_logging.disable_progress_bar()  # a bar for loading local weights: in a notebook, a widget left frozen at 0%
+        try:
+            hf = GPT2LMHeadModel.from_pretrained(export_hf(model, tmp), dtype=model.dtype)
+        finally:
+            hf_logging.enable_progress_bar()
     return hf.to(model.device).eval()
 
 

@@ -20,9 +20,11 @@ the plain reference, eager with packed weights, and captured
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import time
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, Iterator
 from unittest import mock
 
 import torch
@@ -56,6 +58,37 @@ def operator_kind(name: str) -> str:
         if any(short.startswith(p) for p in prefixes):
             return kind
     return "other"
+
+
+@contextlib.contextmanager
+def quiet_profile(**options) -> Iterator[profile]:
+    """``torch.profiler.profile(**options)`` without the lines its C++ side writes to the
+    process's standard error when it starts and stops (``profiler_start``, ``profiler_stop``):
+    no setting turns them off, and in a notebook they land in the cell's output. Only the
+    operating system's error stream is silenced, and only while the profiler starts and
+    stops; Python's warnings and errors still show."""
+    prof = profile(**options)
+    with _no_native_stderr():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with _no_native_stderr():
+            prof.__exit__(*sys.exc_info())
+
+
+@contextlib.contextmanager
+def _no_native_stderr() -> Iterator[None]:
+    """File descriptor 2 pointed at the null device, then put back."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 def _timed(seconds: dict[str, float], phase: str, fn: Callable) -> Callable:
@@ -130,7 +163,7 @@ def profile_decode(model: GPT, batch: int, method: str, steps: int = 10) -> dict
     # serial steps: the phases of an overlapped one run on two threads at once
     engine = decoding_engine(model, batch, ENGINES[method] | {"async_scheduling": False}, 3 * steps + 8)
     wall, phases = phase_times(engine, steps)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with quiet_profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
