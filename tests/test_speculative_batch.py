@@ -235,6 +235,26 @@ def test_a_dear_trial_of_speculation_waits_until_its_cost_is_within_the_budget()
     assert first_trial(0.5001)[:2] == [2500, 2501]
 
 
+def test_where_speculation_wins_the_retries_of_plain_steps_keep_the_usual_wait() -> None:
+    """A dear first trial (a long catch-up) that still finds speculation faster: the retries
+    are of plain steps, which cost no catch-up, so the budget does not stretch their wait."""
+    from minillm.speedups.speculative.crossover import MeasuredChoice
+
+    choice = MeasuredChoice(retry_every=4, max_retry_every=10**6, retry_budget=0.02, first_steps=1)
+    choice.choose(8)
+    choice.record(8, True, seconds=0.5, tokens_per_sequence=1.0)  # the switch
+    choice.choose(8)
+    choice.record(8, True, seconds=0.010, tokens_per_sequence=2.0)  # 5 ms a token
+    choice.choose(8)
+    choice.record(8, False, seconds=0.010, tokens_per_sequence=1.0)  # plain: 10 ms a token, the slower
+    steps = []
+    for _ in range(12):
+        speculated = choice.choose(8)
+        steps.append(speculated)
+        choice.record(8, speculated, 0.010 if speculated else 0.010, 2.0 if speculated else 1.0)
+    assert [i for i, speculated in enumerate(steps) if not speculated][:1] == [3]  # plain retried after 4
+
+
 def test_the_engine_times_both_ways_and_its_output_stays_the_targets(target, draft, reference) -> None:
     """Without a given limit the engine times its own decode steps both ways at each batch
     size: its first four decode steps at a size speculate (the first, which switches to

@@ -152,11 +152,13 @@ def as_transformers(model: GPT):
     from transformers.utils import logging as hf_logging
 
     with tempfile.TemporaryDirectory() as tmp:
+        shown = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # a bar for loading local weights: in a notebook, a widget left frozen at 0%
         try:
             hf = GPT2LMHeadModel.from_pretrained(export_hf(model, tmp), dtype=model.dtype)
         finally:
-            hf_logging.enable_progress_bar()
+            if shown:
+                hf_logging.enable_progress_bar()
     return hf.to(model.device).eval()
 
 

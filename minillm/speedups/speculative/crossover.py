@@ -94,20 +94,21 @@ class MeasuredChoice:
             return False
         faster = t.speculative < t.plain
         if faster != t.faster:  # decided for the first time, or the answer changed
-            t.faster, t.retry_every, t.since_retry = faster, max(self.retry_every, self._least_wait(t)), 0
+            t.faster, t.retry_every, t.since_retry = faster, max(self.retry_every, self._least_wait(t, faster)), 0
         t.since_retry += 1
         if t.since_retry >= t.retry_every:
-            wait = max(2 * t.retry_every, self._least_wait(t))
+            wait = max(2 * t.retry_every, self._least_wait(t, faster))
             t.since_retry, t.retry_every = 0, min(wait, self.max_retry_every)
             t.trying = not faster
             return not faster
         return faster
 
-    def _least_wait(self, t: _Timings) -> int:
+    def _least_wait(self, t: _Timings, faster: bool) -> int:
         """Steps to wait before trying speculation again where plain decoding is faster, so that
         the last trial's cost is at most ``retry_budget`` of the plain steps between trials
-        (0 where speculation is the faster, or no trial was timed)."""
-        if t.faster or t.plain is None or not t.trial_tokens:
+        (0 where speculation is the ``faster``: the retries are then of plain steps, which cost
+        no catch-up, or where no trial was timed)."""
+        if faster or t.plain is None or not t.trial_tokens:
             return 0
         extra = t.trial_seconds - t.trial_tokens * t.plain  # beyond plain steps for the same tokens
         return math.ceil(max(extra, 0.0) / (self.retry_budget * t.plain))

@@ -55,8 +55,8 @@ class Speculator:
     rejection): here one more after a round whose drafts were all accepted, one fewer (down to
     one) after a rejection, so a sequence the drafter predicts badly wastes little."""
 
-    def __init__(self, make_drafter: Callable[[PagedKVPool, str | AttentionKernels], BatchDrafter], num_speculative_tokens: int,
-                 disable_by_batch_size: int | None = None, draft_kv_bytes_per_token: int = 0) -> None:
+    def __init__(self, make_drafter: Callable[[PagedKVPool, str | AttentionKernels], BatchDrafter],
+                 num_speculative_tokens: int, disable_by_batch_size: int | None = None, draft_kv_bytes_per_token: int = 0) -> None:
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         if disable_by_batch_size is not None and disable_by_batch_size < 1:
