@@ -208,26 +208,34 @@ def test_the_measured_choice_takes_medians_so_one_slow_step_does_not_decide() ->
     assert choice.choose(2) is False  # plain, the faster, despite the slow step
 
 
+def steps_after_a_first_trial(switch_seconds: float, speculative_seconds: float, steps: int) -> list[bool]:
+    """Whether each of ``steps`` steps at batch 8 speculated, after a first trial of speculation
+    (a switch of ``switch_seconds``, one timed step of ``speculative_seconds`` for two tokens) and
+    one plain step of 10 ms; each later step takes ``speculative_seconds`` or 10 ms again."""
+    from minillm.speedups.speculative.crossover import MeasuredChoice
+
+    choice = MeasuredChoice(retry_every=4, max_retry_every=10**6, retry_budget=0.02, first_steps=1)
+    choice.choose(8)
+    choice.record(8, True, seconds=switch_seconds, tokens_per_sequence=1.0)  # the switch: catch-up and all
+    choice.choose(8)
+    choice.record(8, True, seconds=speculative_seconds, tokens_per_sequence=2.0)
+    choice.choose(8)
+    choice.record(8, False, seconds=0.010, tokens_per_sequence=1.0)  # plain: 10 ms a token
+    speculated = []
+    for _ in range(steps):
+        yes = choice.choose(8)
+        speculated.append(yes)
+        choice.record(8, yes, speculative_seconds if yes else 0.010, 2.0 if yes else 1.0)
+    return speculated
+
+
 def test_a_dear_trial_of_speculation_waits_until_its_cost_is_within_the_budget() -> None:
     """Where plain decoding is faster, the next trial of speculation waits until the last
     trial's cost beyond plain steps (its two steps' time less what plain steps take for the
     same tokens) is at most ``retry_budget`` of the plain steps in between."""
-    from minillm.speedups.speculative.crossover import MeasuredChoice
 
-    def first_trial(switch_seconds: float) -> list[int]:
-        choice = MeasuredChoice(retry_every=4, max_retry_every=10**6, retry_budget=0.02, first_steps=1)
-        choice.choose(8)
-        choice.record(8, True, seconds=switch_seconds, tokens_per_sequence=1.0)  # the switch: catch-up and all
-        choice.choose(8)
-        choice.record(8, True, seconds=0.030, tokens_per_sequence=2.0)
-        choice.choose(8)
-        choice.record(8, False, seconds=0.010, tokens_per_sequence=1.0)  # plain: 10 ms a token, the faster
-        steps = []
-        for _ in range(3000):
-            speculated = choice.choose(8)
-            steps.append(speculated)
-            choice.record(8, speculated, 0.030 if speculated else 0.010, 2.0 if speculated else 1.0)
-        return [i for i, speculated in enumerate(steps) if speculated]
+    def first_trial(switch_seconds: float) -> list[int]:  # speculation at 15 ms a token: the slower
+        return [i for i, yes in enumerate(steps_after_a_first_trial(switch_seconds, 0.030, 3000)) if yes]
 
     # a cheap trial: 35.1 ms for 3 tokens, 5.1 ms beyond 3 plain steps: 2% of 25.5 plain steps
     assert first_trial(0.0051)[:2] == [25, 26]
@@ -238,20 +246,7 @@ def test_a_dear_trial_of_speculation_waits_until_its_cost_is_within_the_budget()
 def test_where_speculation_wins_the_retries_of_plain_steps_keep_the_usual_wait() -> None:
     """A dear first trial (a long catch-up) that still finds speculation faster: the retries
     are of plain steps, which cost no catch-up, so the budget does not stretch their wait."""
-    from minillm.speedups.speculative.crossover import MeasuredChoice
-
-    choice = MeasuredChoice(retry_every=4, max_retry_every=10**6, retry_budget=0.02, first_steps=1)
-    choice.choose(8)
-    choice.record(8, True, seconds=0.5, tokens_per_sequence=1.0)  # the switch
-    choice.choose(8)
-    choice.record(8, True, seconds=0.010, tokens_per_sequence=2.0)  # 5 ms a token
-    choice.choose(8)
-    choice.record(8, False, seconds=0.010, tokens_per_sequence=1.0)  # plain: 10 ms a token, the slower
-    steps = []
-    for _ in range(12):
-        speculated = choice.choose(8)
-        steps.append(speculated)
-        choice.record(8, speculated, 0.010 if speculated else 0.010, 2.0 if speculated else 1.0)
+    steps = steps_after_a_first_trial(0.5, 0.010, 12)  # speculation at 5 ms a token: the faster
     assert [i for i, speculated in enumerate(steps) if not speculated][:1] == [3]  # plain retried after 4
 
 
