@@ -3,6 +3,8 @@ giving the tokens the eager step gives."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -10,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 
 from minillm.model.config import get_preset
 from minillm.engine import LLM, build_engine
-from minillm.speedups import decode_graphs, gemv, packed
+from minillm.speedups import decode_graphs, gemv, packed, quant
 from minillm.engine.block_allocator import BlockAllocator
 from minillm.speedups.decode_graphs import DecodeGraphs, bucket_sizes, capture_unsupported
 from minillm.engine.kv_cache import PagedKVPool, gather_decode_attention, loop_decode_attention, slot_of
@@ -178,11 +180,27 @@ def test_the_cuda_graph_path_replays_the_eager_tokens(monkeypatch):
 
 def test_models_the_captured_step_does_not_cover_run_eagerly():
     model = _model()
-    quantize_model(model, "int8")
+    quantize_model(model, "int4")
     assert "quantized" in capture_unsupported(model)
     engine = build_engine(model, EngineConfig(num_blocks=8, block_size=4, enforce_eager=False))
     assert engine.graphs is None and "quantized" in engine.eager_reason
     assert build_engine(_model(), EngineConfig(num_blocks=8, block_size=4)).graphs is None  # a CPU compiles when asked
+
+
+def test_an_int8_model_is_captured_on_a_cpu_and_gives_the_eager_tokens(kernel, monkeypatch):
+    """Its few-row products call the int8 kernel inside the compiled program; wider ones
+    PyTorch's own, and the greedy tokens are the eager engine's (a sampled token may differ:
+    the compiled step sums in another order, and a seeded draw near a boundary moves with it)."""
+    monkeypatch.setattr(quant, "small_kernel_rows", lambda layers, dtype: frozenset({1, 2, 4}))
+    prompts, params = _workload()
+    params = [replace(p, temperature=0, seed=None) for p in params]
+    options = dict(num_blocks=32, block_size=4, max_num_seqs=8, quantize="int8", dtype="float32")
+    expected = _generate(LLM(_model(), **options), prompts, params)
+    llm = LLM(_model(), **options, enforce_eager=False)
+    assert llm.engine.graphs is not None
+    assert _generate(llm, prompts, params) == expected
+    assert "minillm::small_linear_int8" in _operators_run(llm.engine.graphs.program(4))
+    assert "minillm::small_linear_int8" not in _operators_run(llm.engine.graphs.program(8))
 
 
 def test_the_plain_engine_runs_eagerly_and_refuses_what_needs_a_plug_in():

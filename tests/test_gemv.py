@@ -61,6 +61,41 @@ def test_products_equal_f_linear(kernel, dtype, path):
                                    f"bias {with_bias}, {layout}: {m}")
 
 
+@pytest.mark.parametrize("path", ["avx512", "avx2", "scalar"])
+def test_int8_products_equal_the_dequantized_product(kernel, path):
+    """int8 weights with a scale per row, read as stored and widened in registers: the product
+    of the dequantized matrix, for fp32 and bf16 inputs alike (bf16 is summed in fp32)."""
+    if path not in gemv.paths(torch.int8):
+        pytest.skip(f"this CPU does not run the {path} path for int8")
+    torch.manual_seed(0)
+    for rows, k, n, with_bias, layout in cases():
+        qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        scales, bias = torch.rand(n) / 100 + 1e-3, torch.randn(n) if with_bias else None
+        dense = qweight.float() * scales[:, None]
+        for dtype in (torch.float32, torch.bfloat16):
+            x = make_x(rows, k, layout, dtype)
+            y = gemv.small_linear_int8(x, qweight, scales.to(dtype), None if bias is None else bias.to(dtype), path)
+            assert y.shape == (*x.shape[:-1], n) and y.dtype == dtype
+            expected = F.linear(x.float(), qweight.float() * scales.to(dtype).float()[:, None],
+                                None if bias is None else bias.to(dtype).float())
+            tolerance = dict(rtol=2**-8, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(y.float(), expected, **tolerance, msg=lambda m: f"{rows}x{k} by {n}x{k} "
+                                       f"{dtype}, bias {with_bias}, {layout}: {m}")
+        assert not torch.equal(dense, dense.round())  # the scales matter: a missed one would show
+
+
+def test_the_int8_operator_checks_its_inputs_and_a_compiler_can_trace_it(kernel):
+    x, qweight, scales = torch.randn(2, 3, 40), torch.randint(-127, 128, (7, 40), dtype=torch.int8), torch.rand(7)
+    with pytest.raises(RuntimeError, match="weight must be int8"):
+        gemv.small_linear_int8(x, qweight.float(), scales)
+    with pytest.raises(RuntimeError, match="scale must have 7 values"):
+        gemv.small_linear_int8(x, qweight, scales[:6])
+    with pytest.raises(RuntimeError, match="x must be float32 or bfloat16"):
+        gemv.small_linear_int8(x.double(), qweight, scales)
+    checks = torch.library.opcheck(torch.ops.minillm.small_linear_int8.default, (x, qweight, scales, torch.randn(7), ""))
+    assert set(checks.values()) == {"SUCCESS"} and "test_faketensor" in checks
+
+
 def test_the_fastest_path_is_the_default_and_a_missing_one_is_refused(kernel):
     for dtype in gemv.DTYPES:
         assert gemv.paths(dtype)[-1] == "scalar"

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import copy
 import platform
+import time
 
 import pytest
 import torch
 
-from minillm.speedups import quant
+from minillm.speedups import gemv, quant
 from minillm.model.config import ModelConfig
 from minillm.engine import LLM, SamplingParams
 from minillm.decoding.generate import generate_kv_cache, generate_naive
@@ -201,8 +202,9 @@ TOLERANCE = {"int8": (0.02, 0.95), "int4": (0.25, 0.80)}
 def test_a_quantized_model_stays_near_fp32(scheme: str) -> None:
     model = tiny_model()
     quantized = cast_and_quantize(copy.deepcopy(model), None, scheme)  # as served: bf16 activations
-    assert isinstance(quantized.tok_emb, QuantEmbedding) and set(kernels_used(quantized)) <= {
-        "aten._weight_int8pack_mm", "aten._weight_int4pack_mm_for_cpu", "dequantize on the fly + matmul"}
+    library = {"aten._weight_int8pack_mm", "aten._weight_int4pack_mm_for_cpu", "dequantize on the fly + matmul"}
+    assert isinstance(quantized.tok_emb, QuantEmbedding) and all(
+        name in library or name.startswith("minillm.small_linear_int8 at ") for name in kernels_used(quantized))
     assert sum(kernels_used(quantized).values()) == 2 * 4 + 1  # every block's four, and the tied matrix once
     ratio = model_bytes(quantized) / model_bytes(model)
     assert ratio < (0.30 if scheme == "int8" else 0.20)
@@ -254,6 +256,36 @@ def test_the_engine_runs_a_quantized_model_like_the_simple_loop(scheme: str) -> 
     assert llm.engine.stats().kv_blocks_used == 0
     served = LLM(copy.deepcopy(model), quantize=scheme, num_blocks=8).engine.model
     assert served.dtype == torch.bfloat16 and isinstance(served.blocks[0].mlp.fc, QuantLinear)
+
+
+def test_int8_layers_take_the_small_batch_kernel_at_the_rows_it_was_timed_faster(kernel, monkeypatch) -> None:
+    """The timing picks, by bucket, whichever of the kernel and the layer's own product is
+    faster; the layers then route each product by its row count; int4 layers are left alone."""
+    layers = [QuantLinear.from_float(weights(48, 128, seed), torch.randn(48), "int8") for seed in range(2)]
+    monkeypatch.setattr(quant, "_KERNEL_ROWS", {})
+    monkeypatch.setattr(QuantLinear, "library", lambda self, flat: time.sleep(2e-3) or self.small(flat))
+    assert quant.small_kernel_rows(layers, torch.float32, rounds=1) == frozenset(gemv.BUCKETS)
+    monkeypatch.setattr(quant, "_KERNEL_ROWS", {})
+    monkeypatch.undo()
+    monkeypatch.setattr(quant, "_KERNEL_ROWS", {})
+    monkeypatch.setattr(QuantLinear, "small", lambda self, flat: time.sleep(2e-3) or self.library(flat))
+    assert quant.small_kernel_rows(layers, torch.float32, rounds=1) == frozenset()
+    monkeypatch.undo()
+
+    model = quantize_model(tiny_model(), "int8")
+    monkeypatch.setattr(quant, "small_kernel_rows", lambda layers, dtype: frozenset({1, 2}))
+    quant.use_small_kernel(model)
+    layer = model.blocks[0].mlp.fc
+    assert all(m.kernel_rows == {1, 2} for m in quant.step_layers(model)) and quant.step_layers(model)[-1] is model.tok_emb.table
+    assert "small_linear_int8 at 1, 2 rows" in layer.kernel_name
+    calls = []
+    monkeypatch.setattr(gemv, "small_linear_int8", lambda *args: calls.append(args[0].shape[0]) or torch.ops.minillm.small_linear_int8(*args))
+    for rows in (1, 2, 3, 17):
+        x = torch.randn(rows, layer.in_features)
+        torch.testing.assert_close(layer(x), x @ layer.dequantized_weight().T + layer.bias, rtol=1e-4, atol=1e-4)
+    assert calls == [1, 2]  # 3 rows fall in bucket 4, 17 past the kernel's rows
+    int4 = quant.use_small_kernel(quantize_model(tiny_model(), "int4"))
+    assert all(not m.kernel_rows for m in quant.step_layers(int4))
 
 
 def test_a_bad_scheme_is_a_clear_error() -> None:

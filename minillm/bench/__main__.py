@@ -58,6 +58,8 @@ def build_parser() -> ArgumentParser:
     d.add_argument("--batches", default=",".join(map(str, decode_bench.BATCHES)))
     d.add_argument("--new-tokens", type=int, default=decode_bench.NEW_TOKENS)
     d.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp even if `make llamacpp` built it")
+    d.add_argument("--int8", action="store_true",
+                   help="also int8 weights (a scale per row, fp32 activations) against llama.cpp's q8_0")
     pr = sub.add_parser("profile", help="where one decode step's time goes, eager and captured")
     add_options(pr, "--dtypes", "--out")
     pr.add_argument("--presets", default="tinystories-50m,cpu")
@@ -118,6 +120,13 @@ def bench_decode(args, out: Path) -> Path:
                                              args.repeats)
         report["runs"][str(dtype).removeprefix("torch.")] = run_
         print(f"  tok/s (fraction of roof) at batch {', '.join(map(str, batches))}:")
+        print("\n".join(decode_bench.summary(run_)), flush=True)
+    if args.int8:
+        model, _ = load_weights(args.preset, device, torch.float32)
+        print(f"\n== decode, {args.preset} ({report['weights']}), int8 weights, {device_name(device)} ==", flush=True)
+        run_ = decode_bench.run_decode_bench(model, batches, args.new_tokens, False, not args.no_llamacpp, args.repeats,
+                                             int8=True)
+        report["runs"]["int8"] = run_
         print("\n".join(decode_bench.summary(run_)), flush=True)
     return decode_bench.save(report, out)
 

@@ -8,7 +8,9 @@ reference, ``enforce_eager=True``; eager with weights prepacked for oneDNN,
 Inductor on a CPU, CUDA graphs on a GPU), ``transformers`` ``generate`` and, when
 ``make llamacpp`` has built it, llama.cpp on the GGUF of the same weights. On a CPU the packed
 engine also runs without the small-batch kernel (:mod:`minillm.speedups.gemv`), on the
-library's roads alone: what the kernel adds, measured side by side.
+library's roads alone: what the kernel adds, measured side by side. With ``--int8`` the same
+weights, quantized to int8 with a scale per row (chapter 13), run through the kernel's int8
+products (fp32 activations) against llama.cpp's ``q8_0`` GGUF of them.
 
 Each rate is also given as a fraction of the roof: a step cannot beat reading every weight
 once (weight bytes over the bandwidth measured at that working-set size) nor doing its
@@ -18,6 +20,7 @@ moves from run to run, the ratios measured side by side much less.
 
 from __future__ import annotations
 
+import copy
 import gc
 import statistics
 import tempfile
@@ -36,6 +39,7 @@ from minillm.machine.hardware import measure_bandwidth, measure_matmul_flops
 from minillm.model.gpt import GPT, matmul_parameters
 from minillm.decoding.sampling import SamplingParams
 from minillm.speedups import gemv, packed
+from minillm.speedups.quant import cast_and_quantize, model_bytes
 
 PROMPT_LEN = 16
 NEW_TOKENS = 128
@@ -52,6 +56,8 @@ LIBRARY_ROADS = {"ours, packed, library roads": dict(enforce_eager=None, pack_we
                  "ours, captured, library products": dict(enforce_eager=False)}
 WITH_KERNEL = {"ours, packed, library roads": "ours, eager + packed weights",
                "ours, captured, library products": "ours, captured"}
+# An int8 model keeps its own products (QuantLinear): no packing, captured or not
+INT8_ENGINES = {"ours, captured": dict(enforce_eager=False), "ours, eager (the default)": dict(enforce_eager=None)}
 
 
 @contextmanager
@@ -117,8 +123,10 @@ def hf_rate(hf, batch: int, new_tokens: int, vocab: int) -> float:
 
 
 def llamacpp_rates(model: GPT, batches: list[int], new_tokens: int, dtype: str) -> dict | None:
-    """llama.cpp's decode tokens/s on the GGUF of ``model`` (``dtype``: f32 or bf16), or None
-    when its programs are not built."""
+    """llama.cpp's decode tokens/s on the GGUF of ``model`` (``dtype``: f32, bf16 or q8_0), or
+    None when its programs are not built. ``llama-batched-bench`` crashed (SIGSEGV) on q8_0
+    weights repacked for this CPU's int8 instructions, so its batches read q8_0 as stored;
+    ``llama-bench``'s batch 1 repacks."""
     if not llamacpp.available():
         return None
     from minillm.export.gguf import export_gguf
@@ -126,36 +134,44 @@ def llamacpp_rates(model: GPT, batches: list[int], new_tokens: int, dtype: str) 
     with tempfile.TemporaryDirectory() as tmp:
         path = export_gguf(model, Path(tmp) / "model.gguf", dtype)
         rates = {"llama-bench": {1: llamacpp.llama_bench_tg(path, new_tokens)}}
-        rates["llama-batched-bench"] = llamacpp.batched_bench_tg(path, batches, n_prompt=PROMPT_LEN, n_gen=new_tokens)
+        rates["llama-batched-bench"] = llamacpp.batched_bench_tg(path, batches, n_prompt=PROMPT_LEN, n_gen=new_tokens,
+                                                                 repack=dtype != "q8_0")
     return rates
 
 
 def roof(model: GPT, batch: int, bandwidth: float, flops: float) -> float:
     """The most decode tokens/s a step of ``batch`` could reach: the slower of reading every
-    weight once per step and doing ``2 x matmul weights`` FLOPs per token."""
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight once per step (as stored: int8 weights are a byte each) and doing ``2 x matmul
+    weights`` FLOPs per token."""
+    weight_bytes = model_bytes(model)
     return min(batch * bandwidth / weight_bytes, flops / (2 * matmul_parameters(model.cfg)))
 
 
 def run_decode_bench(model: GPT, batches: list[int], new_tokens: int, with_hf: bool = True,
-                     with_llamacpp: bool = True, repeats: int = 3, engines: dict[str, dict] | None = None) -> dict:
+                     with_llamacpp: bool = True, repeats: int = 3, engines: dict[str, dict] | None = None,
+                     int8: bool = False) -> dict:
     """Every method at every batch size, as ``{"rates": {method: {batch: [tok/s, ...]}}, ...}``.
     ``engines`` (default: ``ENGINES``) names our engine's configurations to run: on a GPU,
-    weight packing (a CPU's oneDNN) does not apply.
+    weight packing (a CPU's oneDNN) does not apply. ``int8`` quantizes a copy of the (fp32)
+    model to int8 and runs :data:`INT8_ENGINES` on it against llama.cpp's q8_0 GGUF of the
+    float weights, without ``transformers``.
 
     The ``repeats`` rounds are interleaved: each round runs every method once, so a machine
     that speeds up or slows down during the run (other jobs, heat) moves all of them alike,
     and the medians compare methods measured side by side."""
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    exported = model
+    if int8:
+        model, with_hf = cast_and_quantize(copy.deepcopy(model), torch.float32, "int8"), False
+    weight_bytes = model_bytes(model)
     bandwidth = measure_bandwidth(model.device, "reduce", nbytes=weight_bytes)
     flops = measure_matmul_flops(model.device, model.dtype)
     report = {"bandwidth": bandwidth, "matmul_flops": flops, "weight_bytes": weight_bytes,
               "roof": {b: roof(model, b, bandwidth, flops) for b in batches}, "rates": {}, "startup_s": {}}
     rates, startups = report["rates"], report["startup_s"]
     hf = as_transformers(model) if with_hf else None
-    llama_dtype = "f32" if model.dtype == torch.float32 else "bf16"
+    llama_dtype = "q8_0" if int8 else "f32" if model.dtype == torch.float32 else "bf16"
     if engines is None:
-        engines = ENGINES | (LIBRARY_ROADS if model.device.type == "cpu" else {})
+        engines = INT8_ENGINES if int8 else ENGINES | (LIBRARY_ROADS if model.device.type == "cpu" else {})
     for round_ in range(repeats):
         for b in batches:
             for method, options in engines.items():
@@ -166,7 +182,7 @@ def run_decode_bench(model: GPT, batches: list[int], new_tokens: int, with_hf: b
             if hf is not None:
                 rates.setdefault("transformers generate", {}).setdefault(b, []).append(
                     hf_rate(hf, b, new_tokens, model.cfg.vocab_size))
-        llama = llamacpp_rates(model, batches, new_tokens, llama_dtype) if with_llamacpp else None
+        llama = llamacpp_rates(exported, batches, new_tokens, llama_dtype) if with_llamacpp else None
         for name, by_batch in (llama or {}).items():
             for b, rate in by_batch.items():
                 rates.setdefault(f"llama.cpp ({name})", {}).setdefault(b, []).append(rate)
@@ -182,7 +198,8 @@ def summary(report: dict) -> list[str]:
         cells = [f"{by_batch[b]:8.1f} [{min(rates[method][b]):.0f}-{max(rates[method][b]):.0f}] "
                  f"({by_batch[b] / report['roof'][b]:3.0%})" for b in by_batch]
         lines.append(f"  {method:<34}" + "".join(cells))
-    for ours in [m for m in ("ours, captured", "ours, eager + packed weights") if m in median]:
+    for ours in [m for m in ("ours, captured", "ours, eager + packed weights", "ours, eager (the default)")
+                 if m in median]:
         for other in [m for m in median if m.startswith(("llama.cpp", "transformers"))]:
             ratios = ", ".join(f"batch {b} {median[ours][b] / r:.2f}x" for b, r in median[other].items())
             lines.append(f"  {ours.removeprefix('ours, ')} vs {other}: {ratios}")

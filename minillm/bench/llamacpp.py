@@ -96,18 +96,20 @@ def batched_bench_tg(
     n_gen: int = 128,
     threads: int = 2,
     timeout: float = 3600,
+    repack: bool = True,
 ) -> dict[int, float]:
     """Decode rate in tokens/s (all sequences together) for each batch size: ``llama-batched-bench``
     runs ``B`` sequences of ``n_prompt`` prompt tokens, then ``n_gen`` steps that each decode one
     token for every sequence; its ``S_TG`` is ``B * n_gen`` over those steps' time.
 
     The KV cache is sized for the largest batch (``-c``): llama-batched-bench silently skips any
-    batch that does not fit, so a missing row is an error here."""
+    batch that does not fit, so a missing row is an error here. ``repack=False`` keeps the
+    weights as stored rather than laid out for this CPU's instructions (``--no-repack``)."""
     model = _model(gguf_path, n_prompt + n_gen)
     kv_cells = max(batch_sizes) * (n_prompt + n_gen)
     out = _run([str(binary("llama-batched-bench")), "-m", str(model), "-c", str(kv_cells),
                 "-npp", str(n_prompt), "-ntg", str(n_gen), "-npl", ",".join(map(str, batch_sizes)),
-                "-t", str(threads), "--output-format", "jsonl"], timeout)
+                "-t", str(threads), "--output-format", "jsonl", *([] if repack else ["--no-repack"])], timeout)
     rates: dict[int, float] = {}
     for line in out.splitlines():
         if line.startswith("{"):

@@ -31,7 +31,7 @@ from minillm.engine.model_runner import LENGTH, POSITION, TABLE, StagedDecodes, 
 from minillm.model.gpt import GPT
 from minillm.settings import cache_dir
 from minillm.speedups.packed import small_batch_products
-from minillm.speedups.quant import is_quantized
+from minillm.speedups.quant import QuantLinear, is_quantized, schemes
 
 # Inductor's settings for a CPU decode step: "freezing" makes the weights constants it may lay
 # out for its own kernels; max-autotune with the "CPP" backend times its generated matrix
@@ -54,11 +54,12 @@ def bucket_sizes(max_batch: int) -> list[int]:
 def capture_unsupported(model: GPT) -> str | None:
     """Why ``model``'s decode step cannot be captured, or None if it can: a tensor- or
     pipeline-parallel model runs in several processes, and a quantized one through kernels
-    this path has not been checked with."""
+    this path has not been checked with, but for int8 on a CPU (the small-batch kernel and
+    PyTorch's int8 kernel, both operators a compiled step calls)."""
     if not isinstance(model, GPT):
         return "a model split over processes runs its steps eagerly"
-    if is_quantized(model):
-        return "a quantized model runs its steps eagerly"
+    if is_quantized(model) and (model.device.type != "cpu" or schemes(model) != {"int8"}):
+        return "a quantized model runs its steps eagerly (but int8 on a CPU)"
     return None
 
 
@@ -81,13 +82,21 @@ class Capture:
     def graph_bytes(self, decode_peak: int) -> int:
         """The memory the programs will hold beside the engine's: a CUDA graph keeps one decode
         step's intermediates (``decode_peak``); a frozen compiled CPU step up to a copy of the
-        weights per bucket. Inductor's own state (about 150 MB here) is not counted."""
+        weights per bucket (:func:`frozen_weight_bytes`). Inductor's own state (about 150 MB here) is not counted."""
         if self.mode == "cuda-graph":
             return decode_peak
-        return len(bucket_sizes(self.max_batch)) * weight_bytes(self.model)
+        return len(bucket_sizes(self.max_batch)) * frozen_weight_bytes(self.model)
 
     def __call__(self, pool: PagedKVPool) -> DecodeGraphs:
         return DecodeGraphs(self.model, pool, self.max_batch, self.kernels, self.mode)
+
+
+def frozen_weight_bytes(model: GPT) -> int:
+    """The most of the weights one frozen CPU program may hold: a copy of the model's, and, for
+    an int8 model, its matrices in the activations' dtype (a product too wide for the int8
+    kernels dequantizes its matrix, and freezing keeps the result as a constant)."""
+    dequantized = sum(m.out_features * m.in_features for m in model.modules() if isinstance(m, QuantLinear))
+    return weight_bytes(model) + dequantized * model.dtype.itemsize
 
 
 class DecodeStep(nn.Module):

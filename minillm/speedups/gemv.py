@@ -5,7 +5,8 @@ be the time to read the weights, whatever the rows, up to the ridge batch. Libra
 tuned for many rows: at one to sixteen they re-read or re-pack the weight, or run far below
 memory speed. ``gemv.cpp`` streams each weight row once and multiplies it into every row of
 ``x`` while it sits in registers (fp32 FMA, or bf16 pairs with AVX512-BF16, summed in fp32),
-threads splitting the weight's rows.
+threads splitting the weight's rows. int8 weights with a scale per row (chapter 13's format)
+take the same tiles, widened to fp32 in registers: ``torch.ops.minillm.small_linear_int8``.
 
 :func:`load` compiles it with ``torch.utils.cpp_extension`` into the cache (once per source,
 PyTorch and Python version) and registers ``torch.ops.minillm.small_linear``, a torch operator
@@ -39,6 +40,12 @@ log = logging.getLogger(__name__)
 SOURCES = (Path(__file__).with_name("gemv.cpp"), Path(__file__).with_name("decode_attention.cpp"))
 DTYPES = (torch.float32, torch.bfloat16)
 
+# The kernel's territory: products of up to FEW_ROWS rows, timed against the library's at each
+# bucket (BUCKETS: a product of n rows counts as the smallest bucket >= n, as a compiled step
+# pads it); past it the library's GEMMs, tuned for many rows, are the faster.
+FEW_ROWS = 16
+BUCKETS = tuple(1 << i for i in range(FEW_ROWS.bit_length()))
+
 _loaded: bool | None = None  # None: not tried yet in this process
 
 
@@ -58,6 +65,7 @@ def build() -> None:
                        extra_ldflags=["-fopenmp"], build_directory=str(cache_dir("extensions", f"gemv-{tag}")),
                        is_python_module=False)
     torch.library.register_fake("minillm::small_linear")(_fake)
+    torch.library.register_fake("minillm::small_linear_int8")(_fake_int8)
     torch.library.register_fake("minillm::decode_attention")(_fake_attention)
 
 
@@ -77,15 +85,26 @@ def load() -> bool:
     return _loaded
 
 
+def bucket_of(rows: int) -> int:
+    """The bucket a product of ``rows`` rows is timed at: the next power of two."""
+    return 1 << (rows - 1).bit_length()
+
+
 def supports(weight: torch.Tensor) -> bool:
     """Whether :func:`small_linear` can multiply by ``weight`` (loading the kernel if need be)."""
     return (weight.device.type == "cpu" and weight.dtype in DTYPES and weight.dim() == 2
             and weight.stride(1) == 1 and load())
 
 
+def supports_int8(qweight: torch.Tensor) -> bool:
+    """Whether :func:`small_linear_int8` can multiply by ``qweight`` (loading the kernel if need be)."""
+    return (qweight.device.type == "cpu" and qweight.dtype == torch.int8 and qweight.dim() == 2
+            and qweight.stride(1) == 1 and load())
+
+
 def paths(dtype: torch.dtype) -> list[str]:
-    """The kernel's paths this CPU runs for ``dtype`` weights, fastest first: ``avx512`` (FMA;
-    for bf16 it needs AVX512-BF16), ``avx2``, ``scalar``."""
+    """The kernel's paths this CPU runs for ``dtype`` weights (float32, bfloat16 or int8),
+    fastest first: ``avx512`` (FMA; for bf16 it needs AVX512-BF16), ``avx2``, ``scalar``."""
     return list(torch.ops.minillm.small_linear_paths(dtype)) if load() else []
 
 
@@ -94,6 +113,19 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     fastest): ``x`` of any shape ``[..., in]`` and strides, ``weight`` ``[out, in]`` with
     adjacent columns, one dtype (float32 or bfloat16) for all. Call :func:`load` first."""
     return torch.ops.minillm.small_linear(x, weight, bias, path)
+
+
+def small_linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                      path: str = "") -> torch.Tensor:
+    """``F.linear(x, qweight * scales[:, None], bias)`` by the kernel, reading the int8 weight
+    ``[out, in]`` as stored: ``x`` float32 or bfloat16 (the result's dtype), summed in fp32.
+    Call :func:`load` first."""
+    return torch.ops.minillm.small_linear_int8(x, qweight, scales, bias, path)
+
+
+def _fake_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+               path: str = "") -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], qweight.shape[0])
 
 
 def _fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, path: str = "") -> torch.Tensor:

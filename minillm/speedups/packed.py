@@ -37,20 +37,9 @@ import torch.nn.functional as F
 
 from minillm.model.gpt import GPT, TokenEmbedding
 from minillm.speedups import gemv
+from minillm.speedups.gemv import BUCKETS, FEW_ROWS, bucket_of
 from minillm.speedups.huge_pages import into_huge_pages
 from minillm.speedups.quant import is_quantized
-
-# Products of up to FEW_ROWS rows take the road timed fastest at their bucket (BUCKETS: a
-# product of n rows counts as the smallest bucket >= n, as a compiled step pads it); more rows,
-# oneDNN's GEMM.
-FEW_ROWS = 16
-BUCKETS = tuple(1 << i for i in range(FEW_ROWS.bit_length()))
-
-
-def bucket_of(rows: int) -> int:
-    """The bucket a product of ``rows`` rows takes its road from: the next power of two."""
-    return 1 << (rows - 1).bit_length()
-
 
 @dataclass
 class PackedWeight:
@@ -320,7 +309,7 @@ def small_batch_products(model: GPT) -> GPT | None:
     for bfloat16 on a CPU with AMX: there Inductor's own products run on AMX tiles, which no
     road timed here does, and a compiled step through the kernel ran at 0.70-0.95x the rate of
     one without it at batch 1 to 8 (51M shape, 2-core Xeon), while the timing chose the kernel."""
-    if not gemv.supports(model.tok_emb.weight) or packing_unsupported(model) is not None:
+    if packing_unsupported(model) is not None or not gemv.supports(model.tok_emb.weight):
         return None
     if model.dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported():
         return None

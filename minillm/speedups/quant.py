@@ -10,17 +10,23 @@ them in fewer bits pays while the activations stay in floating point (W8A16, W4A
 
 :class:`QuantLinear` multiplies through PyTorch's CPU weight-only kernel where one exists and
 agrees with our dequantization, and otherwise *dequantizes on the fly* (a full-size float copy
-per call, which can be slower than never quantizing). The tied token embedding, most of the
+per call, which can be slower than never quantizing). int8 products of few rows can take the
+small-batch kernel of chapter 12 instead (:mod:`minillm.speedups.gemv`), which reads the int8
+matrix once for every row: :func:`use_small_kernel` times it against the layers' own kernel. The tied token embedding, most of the
 small presets' weights, is quantized once: :class:`QuantEmbedding` reads the same matrix.
 """
 
 from __future__ import annotations
 
 import functools
+import statistics
+import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from minillm.speedups import gemv
 
 SCHEMES = ("int8", "int4")
 DEFAULT_GROUP_SIZE = 32
@@ -212,6 +218,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)  # int4 fused: aten's [in/group, rows, 2] (scale, zero)
         self.register_buffer("bias", bias)
+        # Row buckets (gemv.BUCKETS) whose products take the small-batch kernel: use_small_kernel
+        self.kernel_rows: frozenset[int] = frozenset()
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, scheme: str,
@@ -271,13 +279,24 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        if self.kernel == "fused" and x.dtype == FUSED_DTYPE and flat.shape[0] <= FUSED_MAX_ROWS:
-            out = self.fused(flat)
-            out = out if bias is None else out + bias
+        rows = flat.shape[0]
+        if rows <= gemv.FEW_ROWS and gemv.bucket_of(rows) in self.kernel_rows:
+            out = self.small(flat)
         else:
-            out = nn.functional.linear(flat, self.dequantized_weight().to(x.dtype), bias)
+            out = self.library(flat)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def small(self, flat: torch.Tensor) -> torch.Tensor:
+        """The product by the small-batch kernel (int8 only), reading the int8 matrix as stored."""
+        return gemv.small_linear_int8(flat, self.qweight, self.scales, self.bias)
+
+    def library(self, flat: torch.Tensor) -> torch.Tensor:
+        """The product by PyTorch: its fused kernel where it applies, else dequantize and multiply."""
+        bias = None if self.bias is None else self.bias.to(flat.dtype)
+        if self.kernel == "fused" and flat.dtype == FUSED_DTYPE and flat.shape[0] <= FUSED_MAX_ROWS:
+            out = self.fused(flat)
+            return out if bias is None else out + bias
+        return nn.functional.linear(flat, self.dequantized_weight().to(flat.dtype), bias)
 
     def fused(self, flat: torch.Tensor) -> torch.Tensor:
         """PyTorch's fused kernel on ``[rows, in]`` (no bias), whatever the rows and dtype."""
@@ -289,7 +308,10 @@ class QuantLinear(nn.Module):
 
     @property
     def kernel_name(self) -> str:
-        return FUSED_KERNELS[self.scheme] if self.kernel == "fused" else "dequantize on the fly + matmul"
+        library = FUSED_KERNELS[self.scheme] if self.kernel == "fused" else "dequantize on the fly + matmul"
+        if self.kernel_rows:
+            return f"minillm.small_linear_int8 at {', '.join(map(str, sorted(self.kernel_rows)))} rows, else {library}"
+        return library
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.scheme == "int4" else ""
@@ -326,6 +348,11 @@ def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules())
 
 
+def schemes(model: nn.Module) -> set[str]:
+    """The quantization schemes ``model``'s layers hold (empty for a float model)."""
+    return {m.scheme for m in model.modules() if isinstance(m, QuantLinear)}
+
+
 def quantize_model(model: nn.Module, scheme: str, group_size: int = DEFAULT_GROUP_SIZE,
                    kernel: str = "auto") -> nn.Module:
     """Replace, in place, every ``nn.Linear`` of ``model`` and its tied ``tok_emb`` with quantized
@@ -344,11 +371,61 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = DEFAULT_GROU
 
 def cast_and_quantize(model: nn.Module, dtype: torch.dtype | None, scheme: str | None) -> nn.Module:
     """What the engine does with ``dtype`` and ``quantize``: the cast, or quantize from the weights
-    as trained, then cast the float parts to ``dtype`` (bf16 by default: the fused kernels' input)."""
+    as trained, then cast the float parts to ``dtype`` (bf16 by default: the fused kernels' input),
+    and time the small-batch kernel for the int8 products of few rows (:func:`use_small_kernel`)."""
     if scheme is None:
         return model.to(dtype=dtype)
     quantize_model(model, check_scheme(scheme))
-    return model.to(dtype=dtype or QUANTIZED_DTYPE)
+    return use_small_kernel(model.to(dtype=dtype or QUANTIZED_DTYPE))
+
+
+def step_layers(model: nn.Module) -> list[QuantLinear]:
+    """``model``'s quantized layers in the order a step multiplies by them: the blocks', then the
+    tied LM head."""
+    tables = [m.table for m in model.modules() if isinstance(m, QuantEmbedding)]
+    return [m for m in model.modules() if isinstance(m, QuantLinear) and all(m is not t for t in tables)] + tables
+
+
+_KERNEL_ROWS: dict[tuple, frozenset[int]] = {}  # by (shapes, activations' dtype, threads): timed once per process
+
+
+@torch.inference_mode()
+def small_kernel_rows(layers: list[QuantLinear], dtype: torch.dtype, rounds: int = 5) -> frozenset[int]:
+    """The buckets (:data:`minillm.speedups.gemv.BUCKETS`) at which the small-batch kernel
+    multiplied ``layers``' int8 weights faster than their own kernel, with ``dtype`` activations.
+    Both are timed over all the layers in step order, so each product finds its weight in
+    memory as a step does (see :func:`minillm.speedups.packed.time_roads`): medians of
+    ``rounds`` passes after an untimed one, once per process."""
+    key = (tuple(tuple(m.qweight.shape) for m in layers), dtype, torch.get_num_threads())
+    if key not in _KERNEL_ROWS:
+        faster = set()
+        for rows in gemv.BUCKETS:
+            inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in layers}
+            seconds: dict[str, list[float]] = {"small": [], "library": []}
+            for _ in range(rounds + 1):
+                for road, times in seconds.items():
+                    start = time.perf_counter()
+                    for m in layers:
+                        getattr(m, road)(inputs[m.in_features])
+                    times.append(time.perf_counter() - start)
+            if statistics.median(seconds["small"][1:]) < statistics.median(seconds["library"][1:]):
+                faster.add(rows)
+        _KERNEL_ROWS[key] = frozenset(faster)
+    return _KERNEL_ROWS[key]
+
+
+def use_small_kernel(model: nn.Module) -> nn.Module:
+    """Let ``model``'s int8 layers multiply by the small-batch kernel at the row counts where it
+    was timed faster than their own kernel (:func:`small_kernel_rows`), and return it. Layers
+    stay as they are where the kernel cannot read their weights (int4, another device, no
+    compiler)."""
+    layers = [m for m in step_layers(model) if m.scheme == "int8" and gemv.supports_int8(m.qweight)]
+    if layers:
+        dtype = layers[0].scales.dtype
+        rows = small_kernel_rows(layers, dtype)
+        for layer in layers:
+            layer.kernel_rows = rows
+    return model
 
 
 def model_bytes(model: nn.Module) -> int:
