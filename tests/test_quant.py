@@ -264,7 +264,7 @@ def test_int8_layers_take_the_small_batch_kernel_at_the_rows_it_was_timed_faster
     layers = [QuantLinear.from_float(weights(48, 128, seed), torch.randn(48), "int8") for seed in range(2)]
     monkeypatch.setattr(quant, "_KERNEL_ROWS", {})
     monkeypatch.setattr(QuantLinear, "library", lambda self, flat: time.sleep(2e-3) or self.small(flat))
-    assert quant.small_kernel_rows(layers, torch.float32, rounds=1) == frozenset(gemv.BUCKETS)
+    assert quant.small_kernel_rows(layers, torch.float32, rounds=1) == frozenset(quant.KERNEL_BUCKETS)
     monkeypatch.setattr(quant, "_KERNEL_ROWS", {})
     monkeypatch.undo()
     monkeypatch.setattr(quant, "_KERNEL_ROWS", {})
@@ -283,7 +283,11 @@ def test_int8_layers_take_the_small_batch_kernel_at_the_rows_it_was_timed_faster
     for rows in (1, 2, 3, 17):
         x = torch.randn(rows, layer.in_features)
         torch.testing.assert_close(layer(x), x @ layer.dequantized_weight().T + layer.bias, rtol=1e-4, atol=1e-4)
-    assert calls == [1, 2]  # 3 rows fall in bucket 4, 17 past the kernel's rows
+    assert calls == [1, 2]  # 3 rows fall in bucket 4, 17 in bucket 32
+    layer.kernel_rows = frozenset(quant.KERNEL_BUCKETS)
+    layer(torch.randn(quant.FUSED_MAX_ROWS, layer.in_features))
+    layer(torch.randn(quant.FUSED_MAX_ROWS + 1, layer.in_features))  # a prefill: past every bucket
+    assert calls == [1, 2, quant.FUSED_MAX_ROWS]
     int4 = quant.use_small_kernel(quantize_model(tiny_model(), "int4"))
     assert all(not m.kernel_rows for m in quant.step_layers(int4))
 

@@ -235,10 +235,11 @@ def plot(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(2, cols, figsize=(6.5 * cols, 7.5), squeeze=False)
     for col, (dtype, run_) in enumerate(runs.items()):
         rate_ax, step_ax = axes[0][col], axes[1][col]
-        batches = sorted(int(b) for b in run_["roof"])
-        rate_ax.plot(batches, [run_["roof"][b] for b in batches], "k--", label="roof (bandwidth, then FLOPs)")
-        if 1 in run_["roof"]:
-            step_ax.plot(batches, [step_ratio(run_["roof"], b) for b in batches], "k--", label="roof")
+        roof_ = {int(b): v for b, v in run_["roof"].items()}  # a report read back from JSON has text keys
+        batches = sorted(roof_)
+        rate_ax.plot(batches, [roof_[b] for b in batches], "k--", label="roof (bandwidth, then FLOPs)")
+        if 1 in roof_:
+            step_ax.plot(batches, [step_ratio(roof_, b) for b in batches], "k--", label="roof")
         for method, by_batch in run_["rates"].items():
             medians = {int(b): statistics.median(v) for b, v in by_batch.items()}
             xs = sorted(medians)

@@ -39,6 +39,10 @@ INT4_MAX = 7  # symmetric: [-7, 7], stored as q + 8 in [1, 15]
 FUSED_DTYPE = torch.bfloat16
 FUSED_MAX_ROWS = 64
 QUANTIZED_DTYPE = torch.bfloat16  # a quantized model's activations unless told otherwise
+# Row buckets at which the small-batch kernel is timed against a layer's own int8 product: up to
+# FUSED_MAX_ROWS, the decode batches (past them, a prefill dequantizes once for one GEMM). Wider
+# than the float kernel's: the alternative here may be dequantizing on every call (fp32 inputs).
+KERNEL_BUCKETS = tuple(1 << i for i in range(FUSED_MAX_ROWS.bit_length()))
 
 
 def check_scheme(scheme: str) -> str:
@@ -218,7 +222,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)  # int4 fused: aten's [in/group, rows, 2] (scale, zero)
         self.register_buffer("bias", bias)
-        # Row buckets (gemv.BUCKETS) whose products take the small-batch kernel: use_small_kernel
+        # Row buckets (KERNEL_BUCKETS) whose products take the small-batch kernel: use_small_kernel
         self.kernel_rows: frozenset[int] = frozenset()
 
     @classmethod
@@ -280,7 +284,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         rows = flat.shape[0]
-        if rows <= gemv.FEW_ROWS and gemv.bucket_of(rows) in self.kernel_rows:
+        if rows <= FUSED_MAX_ROWS and gemv.bucket_of(rows) in self.kernel_rows:
             out = self.small(flat)
         else:
             out = self.library(flat)
@@ -391,7 +395,7 @@ _KERNEL_ROWS: dict[tuple, frozenset[int]] = {}  # by (shapes, activations' dtype
 
 @torch.inference_mode()
 def small_kernel_rows(layers: list[QuantLinear], dtype: torch.dtype, rounds: int = 5) -> frozenset[int]:
-    """The buckets (:data:`minillm.speedups.gemv.BUCKETS`) at which the small-batch kernel
+    """The buckets (:data:`KERNEL_BUCKETS`) at which the small-batch kernel
     multiplied ``layers``' int8 weights faster than their own kernel, with ``dtype`` activations.
     Both are timed over all the layers in step order, so each product finds its weight in
     memory as a step does (see :func:`minillm.speedups.packed.time_roads`): medians of
@@ -399,7 +403,7 @@ def small_kernel_rows(layers: list[QuantLinear], dtype: torch.dtype, rounds: int
     key = (tuple(tuple(m.qweight.shape) for m in layers), dtype, torch.get_num_threads())
     if key not in _KERNEL_ROWS:
         faster = set()
-        for rows in gemv.BUCKETS:
+        for rows in KERNEL_BUCKETS:
             inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in layers}
             seconds: dict[str, list[float]] = {"small": [], "library": []}
             for _ in range(rounds + 1):
