@@ -10,10 +10,11 @@ them in fewer bits pays while the activations stay in floating point (W8A16, W4A
 
 :class:`QuantLinear` multiplies through PyTorch's CPU weight-only kernel where one exists and
 agrees with our dequantization, and otherwise *dequantizes on the fly* (a full-size float copy
-per call, which can be slower than never quantizing). int8 products of few rows can take the
-small-batch kernel of chapter 12 instead (:mod:`minillm.speedups.gemv`), which reads the int8
-matrix once for every row: :func:`use_small_kernel` times it against the layers' own kernel. The tied token embedding, most of the
-small presets' weights, is quantized once: :class:`QuantEmbedding` reads the same matrix.
+per call, which can be slower than never quantizing). int8 products of decode-sized batches can
+take chapter 12's small-batch kernel instead (:mod:`minillm.speedups.gemv`), which reads the
+int8 matrix once for every row: :func:`use_small_kernel` times it against the layers' own
+product. The tied token embedding, most of the small presets' weights, is quantized once:
+:class:`QuantEmbedding` reads the same matrix.
 """
 
 from __future__ import annotations
