@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The book on a real GPU, in one bounded run: bash scripts/gpu_check.sh OUT_DIR [--dry-run] [--budget-s N]
 #
-# On the GPU machine (an H200 with its own Python 3.12, torch 2.11 and triton 3.6, no network and
-# no package index), from the root of a copy of the repository that carries .whl/ (below):
+# On any CUDA machine with Python 3.12 and a CUDA build of torch with triton (written against
+# torch 2.11 and triton 3.6; it needs no network or package index), from the root of a copy of
+# the repository that carries .whl/ (below):
 #     bash scripts/gpu_check.sh OUT    (give it 9 minutes)
 # (prefix MINILLM_COMMIT=<git rev-parse HEAD> to record the commit when the copy has no .git).
 # What it needs beyond that machine's packages travels as wheels in the git-ignored .whl/ folder:
