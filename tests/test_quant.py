@@ -265,7 +265,6 @@ def test_int8_layers_take_the_small_batch_kernel_at_the_rows_it_was_timed_faster
     monkeypatch.setattr(quant, "_KERNEL_ROWS", {})
     monkeypatch.setattr(QuantLinear, "library", lambda self, flat: time.sleep(2e-3) or self.small(flat))
     assert quant.small_kernel_rows(layers, torch.float32, rounds=1) == frozenset(quant.KERNEL_BUCKETS)
-    monkeypatch.setattr(quant, "_KERNEL_ROWS", {})
     monkeypatch.undo()
     monkeypatch.setattr(quant, "_KERNEL_ROWS", {})
     monkeypatch.setattr(QuantLinear, "small", lambda self, flat: time.sleep(2e-3) or self.library(flat))

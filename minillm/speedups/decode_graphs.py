@@ -59,7 +59,7 @@ def capture_unsupported(model: GPT) -> str | None:
     if not isinstance(model, GPT):
         return "a model split over processes runs its steps eagerly"
     if is_quantized(model) and (model.device.type != "cpu" or schemes(model) != {"int8"}):
-        return "a quantized model runs its steps eagerly (but int8 on a CPU)"
+        return "a quantized model runs its steps eagerly, but for int8 weights on a CPU"
     return None
 
 
@@ -82,7 +82,8 @@ class Capture:
     def graph_bytes(self, decode_peak: int) -> int:
         """The memory the programs will hold beside the engine's: a CUDA graph keeps one decode
         step's intermediates (``decode_peak``); a frozen compiled CPU step up to a copy of the
-        weights per bucket (:func:`frozen_weight_bytes`). Inductor's own state (about 150 MB here) is not counted."""
+        weights per bucket (:func:`frozen_weight_bytes`). Inductor's own state (about 150 MB
+        here) is not counted."""
         if self.mode == "cuda-graph":
             return decode_peak
         return len(bucket_sizes(self.max_batch)) * frozen_weight_bytes(self.model)
