@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timezone
 from typing import Callable, Sequence
 
 import torch
@@ -70,7 +71,7 @@ def default_device() -> torch.device:
 
 def device_name(device: torch.device | str | None = None) -> str:
     """A person-readable name: the GPU's model, or the CPU's with its thread count."""
-    device = _resolve(device)
+    device = resolve_device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type == "mps":
@@ -217,7 +218,8 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int,
     return time_repeats(fn, device, repeats, warmup, clock=clock).median
 
 
-def _resolve(device: torch.device | str | None) -> torch.device:
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """``device`` as a ``torch.device``; None means the best one this machine has."""
     return torch.device(device) if device is not None else default_device()
 
 
@@ -237,7 +239,7 @@ def measure_bandwidth(
     """
     if method not in BANDWIDTH_METHODS:
         raise ValueError(f"method must be one of {BANDWIDTH_METHODS}, not {method!r}")
-    device = _resolve(device)
+    device = resolve_device(device)
     x = torch.ones(nbytes // 4, device=device)
     if method == "copy":
         y = torch.empty_like(x)
@@ -256,13 +258,14 @@ def measure_matmul_flops(
     product every layer of the model runs: on a CPU without bf16/fp16 instructions PyTorch sends
     that layout to oneDNN and a plain ``a @ b`` to a reference loop about eight times slower, so
     the plain product would set a roof the model's own steps pass through."""
-    device = _resolve(device)
+    device = resolve_device(device)
     a = torch.randn(n, n, device=device).to(dtype)
     weight = torch.randn(n, n, device=device).to(dtype)
     return 2 * n**3 / median_seconds(lambda: a @ weight.T, device, repeats)
 
 
-def _runs_matmul(device: torch.device, dtype: torch.dtype) -> bool:
+def runs_matmul(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``device`` multiplies matrices of ``dtype`` at all (some builds lack a dtype)."""
     try:
         torch.ones(2, 2, device=device, dtype=dtype) @ torch.ones(2, 2, device=device, dtype=dtype)
     except (RuntimeError, TypeError):
@@ -281,6 +284,18 @@ class MachineProfile:
     bandwidth_bytes: int
     matmul_sizes: tuple[int, ...]
     repeats: int
+    measured_at: str = ""
+    # bytes -> bytes/s of reading a buffer that size again and again (a working set a cache may
+    # hold), filled in by ``minillm.machine.roofline.decode_roof`` as it measures each size
+    resident: dict[int, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> MachineProfile:
+        """The profile :meth:`to_dict` wrote (JSON turns tuples into lists and int keys into text)."""
+        known = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+        known["matmul_sizes"] = tuple(known["matmul_sizes"])
+        known["resident"] = {int(n): float(v) for n, v in known.get("resident", {}).items()}
+        return cls(**known)
 
     @property
     def bandwidth(self) -> float:
@@ -329,14 +344,15 @@ def measure_machine(
     Buffers of 1 GiB leave every cache, so they measure main memory. ``small`` (default:
     ``MINILLM_QUICK=1``) shrinks everything so it takes a second.
     """
-    device = _resolve(device)
+    device = resolve_device(device)
     small = quick() if small is None else small
     nbytes = 2**26 if small else 2**30
     sizes = matmul_sizes(device, small)
     repeats = 3 if small else 5
     bandwidths = {m: measure_bandwidth(device, m, nbytes, repeats) for m in BANDWIDTH_METHODS}
-    flops = {d: matmul_peak(device, DTYPES[d], sizes, repeats) for d in dtypes if _runs_matmul(device, DTYPES[d])}
-    return MachineProfile(str(device), device_name(device), bandwidths, flops, nbytes, sizes, repeats)
+    flops = {d: matmul_peak(device, DTYPES[d], sizes, repeats) for d in dtypes if runs_matmul(device, DTYPES[d])}
+    measured_at = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return MachineProfile(str(device), device_name(device), bandwidths, flops, nbytes, sizes, repeats, measured_at)
 
 
 def matmul_sizes(device: torch.device, small: bool = False) -> tuple[int, int]:
@@ -357,7 +373,7 @@ def matmul_peak(device: torch.device | str | None = None, dtype: torch.dtype = t
     A dtype the CPU has no instructions for (bf16 or fp16 without AVX-512 BF16/FP16 or AMX) is
     converted on the fly at a few GFLOP/s or less: its larger product would take many seconds
     and cannot show a higher peak than the smaller one did, so it is not worth the wait."""
-    device = _resolve(device)
+    device = resolve_device(device)
     best, done = 0.0, None
     for n in sizes or matmul_sizes(device):
         if done is not None and 2 * n**3 / best > max_product_seconds:
@@ -398,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes: a rough answer in a second")
     args = parser.parse_args(argv)
     try:
-        device = _resolve(args.device)
+        device = resolve_device(args.device)
         torch.empty(1, device=device)
     except (RuntimeError, AssertionError) as err:
         raise UsageError(f"--device {args.device}: {str(err).splitlines()[0]}") from None

@@ -218,11 +218,14 @@ def decode_roof(profile: MachineProfile, cfg: ModelConfig, dtype: str) -> Device
     ``profile`` measured memory with buffers far larger than any cache. A small model's weights
     may fit in a cache (a CPU's L3, a GPU's L2) and stream from there faster, step after step;
     then the honest slope is the bandwidth of reading a buffer the size of the weights, again
-    and again, which this measures. For weights larger than the caches the two agree.
+    and again, which this measures once per size and keeps in the profile, so that a saved
+    profile (``minillm.machine.measured``) gives later chapters the same roof. For weights larger
+    than the caches the two agree.
     """
-    nbytes = decode_step_cost(cfg, 1, 0, weight_bytes=dtype_bytes(dtype), kv_bytes=0).weight_bytes
-    repeats = 3 if quick() else 7
-    resident = measure_bandwidth(profile.device, "reduce", int(nbytes), repeats)
+    nbytes = int(decode_step_cost(cfg, 1, 0, weight_bytes=dtype_bytes(dtype), kv_bytes=0).weight_bytes)
+    if nbytes not in profile.resident:  # measured once per size, then kept with the profile
+        profile.resident[nbytes] = measure_bandwidth(profile.device, "reduce", nbytes, 3 if quick() else 7)
+    resident = profile.resident[nbytes]
     spec = profile.as_spec()
     if resident <= spec.bandwidth:
         return spec

@@ -1,0 +1,58 @@
+"""Chapter 1 measures the machine once; later chapters read the same numbers back."""
+
+import json
+
+import pytest
+
+from minillm.machine import measured
+from minillm.machine.hardware import MachineProfile, device_name
+from minillm.machine.roofline import decode_roof
+from minillm.model.config import ModelConfig
+
+TINY = ModelConfig(vocab_size=96, context_length=32, d_model=32, n_layers=2, n_heads=2)
+
+
+def a_profile(name: str | None = None) -> MachineProfile:
+    return MachineProfile("cpu", name or device_name("cpu"), {"copy": 10e9, "reduce": 20e9},
+                          {"fp32": 100e9, "bf16": 800e9, "fp16": 90e9}, 2**30, (1024, 2048), 5, "2026-01-01 00:00 UTC")
+
+
+def test_a_saved_profile_comes_back_whole_with_its_working_sets(home):
+    profile = a_profile()
+    profile.resident[123_456] = 55e9
+    path = measured.save_profile(profile)
+    assert path.parent == home / ".cache" / "machine"
+    back = measured.load_profile("cpu")
+    assert back == profile and back.resident == {123_456: 55e9} and back.matmul_sizes == (1024, 2048)
+    assert measured.machine_profile("cpu") == profile  # read, not measured again
+
+
+def test_quick_runs_keep_their_own_profile(home, monkeypatch):
+    monkeypatch.setenv("MINILLM_QUICK", "0")
+    measured.save_profile(a_profile())
+    monkeypatch.setenv("MINILLM_QUICK", "1")
+    assert measured.profile_path("cpu").name == "cpu-quick.json"
+    assert measured.load_profile("cpu") is None
+
+
+@pytest.mark.parametrize("spoil", ["another machine", "garbage", "a dtype missing"])
+def test_a_profile_that_is_not_this_machines_is_measured_again(home, monkeypatch, spoil):
+    monkeypatch.setenv("MINILLM_QUICK", "1")
+    profile = a_profile("some other CPU (64 threads)" if spoil == "another machine" else None)
+    if spoil == "a dtype missing":
+        profile = MachineProfile(**{**profile.__dict__, "flops": {"fp32": 100e9}})
+    measured.save_profile(profile)
+    if spoil == "garbage":
+        measured.profile_path("cpu").write_text("{not json")
+    fresh = measured.machine_profile("cpu")
+    assert fresh.flops["fp32"] != 100e9 and fresh.name == device_name("cpu")
+    assert json.loads(measured.profile_path("cpu").read_text())["flops"] == fresh.flops  # saved for the next chapter
+
+
+def test_the_roof_of_a_saved_working_set_is_read_not_measured(home):
+    profile = a_profile()
+    decode_roof(profile, TINY, "fp32")  # measures the weights' working set once, into the profile
+    (nbytes, _), = profile.resident.items()
+    profile.resident[nbytes] = 1e15  # a rate no measurement gives: a later roof must read it back
+    measured.save_profile(profile)
+    assert decode_roof(measured.load_profile("cpu"), TINY, "fp32").bandwidth == 1e15
