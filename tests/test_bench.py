@@ -73,14 +73,23 @@ def test_the_decode_roof_is_the_slower_of_bytes_and_flops() -> None:
     from minillm.model.gpt import GPT, matmul_parameters
 
     model = GPT(get_preset("tiny"))
+    cfg = model.cfg
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    bandwidth, flops = 10e9, 1e12
-    memory_bound = bandwidth / weight_bytes
-    compute_bound = flops / (2 * matmul_parameters(model.cfg))
-    assert roof(model, 1, bandwidth, flops) == pytest.approx(min(memory_bound, compute_bound))
-    ridge = int(compute_bound / memory_bound) + 1  # the first batch past the ridge
-    assert roof(model, ridge, bandwidth, flops) == pytest.approx(compute_bound)
-    assert roof(model, ridge - 1, bandwidth, flops) == pytest.approx((ridge - 1) * memory_bound)
+    bandwidth, flops = 10e9, 1e11  # a ridge of 10 FLOP/byte, which the cache at context 100 still lets a batch reach
+    compute_bound = flops / (2 * matmul_parameters(cfg))
+    assert roof(model, 1, bandwidth, flops, context=0) < bandwidth / weight_bytes  # the cache's bytes count too
+
+    def memory_bound(batch: int, context: int) -> float:  # keys and values of every layer, fp32, context + 2 positions
+        return batch * bandwidth / (weight_bytes + batch * cfg.n_layers * 2 * cfg.d_model * (context + 2) * 4)
+
+    for context in (0, 100):
+        assert roof(model, 1, bandwidth, flops, context) == pytest.approx(min(memory_bound(1, context), compute_bound))
+        ridge = next(b for b in range(1, 10**4) if memory_bound(b, context) >= compute_bound)
+        assert roof(model, ridge, bandwidth, flops, context) == pytest.approx(compute_bound)
+        assert roof(model, ridge - 1, bandwidth, flops, context) == pytest.approx(memory_bound(ridge - 1, context))
+    # a longer context leaves fewer tokens/s at the same batch, and more so at a larger batch
+    assert roof(model, 8, bandwidth, flops, 100) / roof(model, 8, bandwidth, flops, 0) < \
+        roof(model, 1, bandwidth, flops, 100) / roof(model, 1, bandwidth, flops, 0)
 
 
 def test_decode_summary_quotes_medians_and_the_target_ratios() -> None:

@@ -13,8 +13,8 @@ weights, quantized to int8 with a scale per row (chapter 13), run through the ke
 products (fp32 activations) against llama.cpp's ``q8_0`` GGUF of them.
 
 Each rate is also given as a fraction of the roof: a step cannot beat reading every weight
-once (weight bytes over the bandwidth measured at that working-set size) nor doing its
-FLOPs at the measured matmul rate. Ratios are what to quote: the machine's absolute speed
+once and each sequence's cached keys and values (those bytes over the bandwidth measured at the
+weights' working-set size) nor doing its FLOPs at the measured matmul rate. Ratios are what to quote: the machine's absolute speed
 moves from run to run, the ratios measured side by side much less.
 """
 
@@ -36,6 +36,7 @@ from minillm.bench.engine import as_transformers, prefilled
 from minillm.engine.config import EngineConfig
 from minillm.engine.build import build_engine
 from minillm.machine.hardware import measure_bandwidth, measure_matmul_flops
+from minillm.machine.roofline import decode_step_cost
 from minillm.model.gpt import GPT, matmul_parameters
 from minillm.decoding.sampling import SamplingParams
 from minillm.speedups import gemv, packed
@@ -139,12 +140,19 @@ def llamacpp_rates(model: GPT, batches: list[int], new_tokens: int, dtype: str) 
     return rates
 
 
-def roof(model: GPT, batch: int, bandwidth: float, flops: float) -> float:
-    """The most decode tokens/s a step of ``batch`` could reach: the slower of reading every
-    weight once per step (as stored: int8 weights are a byte each) and doing ``2 x matmul
-    weights`` FLOPs per token."""
-    weight_bytes = model_bytes(model)
-    return min(batch * bandwidth / weight_bytes, flops / (2 * matmul_parameters(model.cfg)))
+def roof(model: GPT, batch: int, bandwidth: float, flops: float, context: int) -> float:
+    """The most decode tokens/s a step of ``batch`` could reach: the slower of reading what the
+    step must read (every weight once, as stored: int8 weights are a byte each; and each
+    sequence's keys and values over ``context`` tokens, in the model's dtype) and doing ``2 x
+    matmul weights`` FLOPs per token. The cache's bytes grow with the batch, which is why the
+    roof's step time is not flat all the way to the ridge."""
+    cache = decode_step_cost(model.cfg, batch, context, weight_bytes=0, kv_bytes=model.dtype.itemsize).kv_bytes
+    return min(batch * bandwidth / (model_bytes(model) + cache), flops / (2 * matmul_parameters(model.cfg)))
+
+
+def mean_context(new_tokens: int) -> int:
+    """The context a decode step sees on average while ``new_tokens`` follow the prompt."""
+    return PROMPT_LEN + new_tokens // 2
 
 
 def run_decode_bench(model: GPT, batches: list[int], new_tokens: int, with_hf: bool = True,
@@ -166,7 +174,9 @@ def run_decode_bench(model: GPT, batches: list[int], new_tokens: int, with_hf: b
     bandwidth = measure_bandwidth(model.device, "reduce", nbytes=weight_bytes)
     flops = measure_matmul_flops(model.device, model.dtype)
     report = {"bandwidth": bandwidth, "matmul_flops": flops, "weight_bytes": weight_bytes,
-              "roof": {b: roof(model, b, bandwidth, flops) for b in batches}, "rates": {}, "startup_s": {}}
+              "roof_context": mean_context(new_tokens),
+              "roof": {b: roof(model, b, bandwidth, flops, mean_context(new_tokens)) for b in batches},
+              "rates": {}, "startup_s": {}}
     rates, startups = report["rates"], report["startup_s"]
     hf = as_transformers(model) if with_hf else None
     llama_dtype = "q8_0" if int8 else "f32" if model.dtype == torch.float32 else "bf16"
@@ -237,7 +247,7 @@ def plot(report: dict, path: Path) -> None:
         rate_ax, step_ax = axes[0][col], axes[1][col]
         roof_ = {int(b): v for b, v in run_["roof"].items()}  # a report read back from JSON has text keys
         batches = sorted(roof_)
-        rate_ax.plot(batches, [roof_[b] for b in batches], "k--", label="roof (bandwidth, then FLOPs)")
+        rate_ax.plot(batches, [roof_[b] for b in batches], "k--", label="roof (weights and KV cache read, or FLOPs)")
         if 1 in roof_:
             step_ax.plot(batches, [step_ratio(roof_, b) for b in batches], "k--", label="roof")
         for method, by_batch in run_["rates"].items():
