@@ -12,12 +12,14 @@ from minillm.model.config import ModelConfig
 TINY = ModelConfig(vocab_size=96, context_length=32, d_model=32, n_layers=2, n_heads=2)
 
 
-def a_profile(name: str | None = None) -> MachineProfile:
+def a_profile(name: str | None = None, buffer_bytes: int = 2**30) -> MachineProfile:
     return MachineProfile("cpu", name or device_name("cpu"), {"copy": 10e9, "reduce": 20e9},
-                          {"fp32": 100e9, "bf16": 800e9, "fp16": 90e9}, 2**30, (1024, 2048), 5, "2026-01-01 00:00 UTC")
+                          {"fp32": 100e9, "bf16": 800e9, "fp16": 90e9}, buffer_bytes, (1024, 2048), 5,
+                          "2026-01-01 00:00 UTC")
 
 
-def test_a_saved_profile_comes_back_whole_with_its_working_sets(home):
+def test_a_saved_profile_comes_back_whole_with_its_working_sets(home, monkeypatch):
+    monkeypatch.delenv("MINILLM_QUICK", raising=False)
     profile = a_profile()
     profile.resident[123_456] = 55e9
     path = measured.save_profile(profile)
@@ -38,10 +40,10 @@ def test_quick_runs_keep_their_own_profile(home, monkeypatch):
 @pytest.mark.parametrize("spoil", ["another machine", "garbage", "a dtype missing"])
 def test_a_profile_that_is_not_this_machines_is_measured_again(home, monkeypatch, spoil):
     monkeypatch.setenv("MINILLM_QUICK", "1")
-    profile = a_profile("some other CPU (64 threads)" if spoil == "another machine" else None)
+    profile = a_profile("some other CPU (64 threads)" if spoil == "another machine" else None, buffer_bytes=2**26)
     if spoil == "a dtype missing":
         profile = MachineProfile(**{**profile.__dict__, "flops": {"fp32": 100e9}})
-    measured.save_profile(profile)
+    assert measured.save_profile(profile) == measured.profile_path("cpu")  # the QUICK file, which a QUICK run reads
     if spoil == "garbage":
         measured.profile_path("cpu").write_text("{not json")
     fresh = measured.machine_profile("cpu")
@@ -49,10 +51,31 @@ def test_a_profile_that_is_not_this_machines_is_measured_again(home, monkeypatch
     assert json.loads(measured.profile_path("cpu").read_text())["flops"] == fresh.flops  # saved for the next chapter
 
 
-def test_the_roof_of_a_saved_working_set_is_read_not_measured(home):
+def test_the_roof_of_a_saved_working_set_is_read_not_measured(home, monkeypatch):
+    monkeypatch.delenv("MINILLM_QUICK", raising=False)
     profile = a_profile()
     decode_roof(profile, TINY, "fp32")  # measures the weights' working set once, into the profile
     (nbytes, _), = profile.resident.items()
     profile.resident[nbytes] = 1e15  # a rate no measurement gives: a later roof must read it back
     measured.save_profile(profile)
     assert decode_roof(measured.load_profile("cpu"), TINY, "fp32").bandwidth == 1e15
+
+
+def test_the_command_line_saves_what_it_measured_when_asked(home, monkeypatch, capsys):
+    from minillm.machine.hardware import main
+
+    monkeypatch.setenv("MINILLM_QUICK", "1")
+    assert main(["--device", "cpu", "--quick", "--json"]) == 0
+    capsys.readouterr()
+    assert measured.load_profile("cpu") is None  # measuring alone writes nothing
+    assert main(["--device", "cpu", "--quick", "--json", "--save"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert measured.load_profile("cpu").flops == printed["flops"]
+
+
+def test_a_small_measurement_never_stands_for_the_real_one(home, monkeypatch):
+    from minillm.machine.hardware import main
+
+    monkeypatch.delenv("MINILLM_QUICK", raising=False)
+    assert main(["--device", "cpu", "--quick", "--save"]) == 0  # small buffers, in a full-size session
+    assert measured.load_profile("cpu") is None and measured.profile_path("cpu", small=True).is_file()

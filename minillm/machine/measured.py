@@ -24,15 +24,18 @@ from minillm.machine.hardware import (DTYPES, MachineProfile, device_name, measu
 from minillm.settings import cache_dir, quick
 
 
-def profile_path(device: torch.device | str | None = None) -> Path:
-    """Where this device's profile is saved: ``.cache/machine/cpu.json``, ``cuda-quick.json``..."""
+def profile_path(device: torch.device | str | None = None, small: bool | None = None) -> Path:
+    """Where this device's profile is kept: ``.cache/machine/cpu.json``, or ``cpu-quick.json``
+    for one measured small (``small``, default: a QUICK run)."""
     device = resolve_device(device)
-    return cache_dir("machine") / f"{device.type}{'-quick' if quick() else ''}.json"
+    small = quick() if small is None else small
+    return cache_dir("machine") / f"{device.type}{'-quick' if small else ''}.json"
 
 
 def save_profile(profile: MachineProfile) -> Path:
-    """Write ``profile`` (with the working-set bandwidths measured so far) for later chapters."""
-    path = profile_path(profile.device)
+    """Write ``profile`` (with the working-set bandwidths measured so far) for later chapters;
+    one measured on buffers smaller than main memory's goes to the QUICK file, whoever asks."""
+    path = profile_path(profile.device, small=profile.bandwidth_bytes < 2**30)
     data = profile.to_dict()
     data["resident"] = {str(n): v for n, v in profile.resident.items()}
     path.write_text(json.dumps(data, indent=1) + "\n")
