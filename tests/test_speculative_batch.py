@@ -275,6 +275,8 @@ def test_the_batch_sweep_compares_three_engines_on_the_same_prompts(target, draf
     assert report["costs"] and all(c["ratio"] > 0 for c in report["costs"])
     with pytest.raises(ValueError, match="cannot fill a batch of 4"):
         batch_sweep(target, draft, [4], prompts=PROMPTS[:2])
+    lookup = batch_sweep(target, "ngram", [1, 2], max_new=6, rounds=1, progress=False, prompts=PROMPTS[:2])
+    assert all(r["identical"] for r in lookup["rows"]) and all(c["draft_s"] == 0 for c in lookup["costs"])
 
 
 def test_the_draft_models_cache_shares_the_kv_cache_budget(target, draft) -> None:

@@ -284,7 +284,9 @@ def batch_sweep(target: GPT, draft: GPT | str | Path, batches: list[int], *, k: 
                                   speculative_disable_by_batch_size=most),
                "automatic": LLM(target, max_num_seqs=most, speculative_draft=draft, num_speculative_tokens=k)}
     fresh = engines["speculative"].engine  # nothing served yet: its pool is free for timing
-    costs = {c.batch: c for c in time_costs(fresh.runner.runner, fresh.speculator.drafter, batches, k, repeats=10)}
+    drafter = fresh.speculator.drafter  # a lookup drafter runs no model: its drafting is left out of the cost
+    costs = {c.batch: c for c in time_costs(fresh.runner.runner, drafter if isinstance(drafter, PagedDrafter) else None,
+                                            batches, k, repeats=10)}
     rows = []
     for b in batches:
         times: dict[str, list[float]] = {name: [] for name in engines}
