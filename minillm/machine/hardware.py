@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
@@ -413,8 +412,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:1 | mps (default: the best available)")
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
     parser.add_argument("--quick", action="store_true", help="small sizes: a rough answer in a second")
-    parser.add_argument("--save", action="store_true",
-                        help="keep the measurement for the book's chapters to read, as chapter 1 does")
     args = parser.parse_args(argv)
     try:
         device = resolve_device(args.device)
@@ -422,10 +419,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RuntimeError, AssertionError) as err:
         raise UsageError(f"--device {args.device}: {str(err).splitlines()[0]}") from None
     profile = measure_machine(device, small=args.quick or None)
-    if args.save:
-        from minillm.machine.measured import save_profile
-
-        print(f"saved to {save_profile(profile)}", file=sys.stderr)
     if args.json:
         print(json.dumps(profile.to_dict(), indent=2))
     else:

@@ -6,6 +6,7 @@ cache that holds the weights). A book that measured them afresh in every chapter
 different ridge point in each for the same machine. So chapter 1 measures the machine and
 saves what it measured with :func:`save_profile`; a later chapter calls :func:`machine_profile`,
 which loads that profile and measures (and saves) only when none of this machine is saved.
+``python -m minillm.machine.measured`` measures this machine afresh and saves it, as chapter 1 does.
 
 The file lives in the cache (``.cache/machine/``), one per device, and QUICK runs keep their
 own: a profile measured on small buffers must never stand for the real one. A profile measured
@@ -71,3 +72,22 @@ def describe(profile: MachineProfile) -> str:
     rates = ", ".join(f"{d} {v / 1e9:,.0f} GFLOP/s" for d, v in profile.flops.items())
     return (f"{profile.name}, measured {profile.measured_at or 'at an unknown time'}: main memory "
             f"{profile.bandwidth / 1e9:.1f} GB/s; matmul {rates}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from minillm.cli import ArgumentParser
+
+    parser = ArgumentParser(prog="python -m minillm.machine.measured",
+                            description="Measure this machine and save the profile the book's chapters read.")
+    parser.add_argument("--device", default=None, help="cpu | cuda | mps (default: the best available)")
+    parser.add_argument("--quick", action="store_true", help="small sizes, kept apart from the real profile")
+    args = parser.parse_args(argv)
+    profile = measure_machine(resolve_device(args.device), small=args.quick or None)
+    print(profile.table(), f"\nsaved to {save_profile(profile)}", sep="\n")
+    return 0
+
+
+if __name__ == "__main__":
+    from minillm.cli import run
+
+    run(main, prog="python -m minillm.machine.measured")
