@@ -224,6 +224,7 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
 
 
 BANDWIDTH_METHODS = ("copy", "reduce")
+MAIN_MEMORY_BYTES = 2**30  # the buffer that measures main memory: larger than any cache
 
 
 def measure_bandwidth(
@@ -346,7 +347,7 @@ def measure_machine(
     """
     device = resolve_device(device)
     small = quick() if small is None else small
-    nbytes = 2**26 if small else 2**30
+    nbytes = 2**26 if small else MAIN_MEMORY_BYTES
     sizes = matmul_sizes(device, small)
     repeats = 3 if small else 5
     bandwidths = {m: measure_bandwidth(device, m, nbytes, repeats) for m in BANDWIDTH_METHODS}

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from minillm.machine.hardware import (DTYPES, MachineProfile, device_name, measure_machine, resolve_device,
-                                      runs_matmul)
+from minillm.machine.hardware import (DTYPES, MAIN_MEMORY_BYTES, MachineProfile, device_name, measure_machine,
+                                      resolve_device, runs_matmul)
 from minillm.settings import cache_dir, quick
 
 
@@ -36,10 +36,8 @@ def profile_path(device: torch.device | str | None = None, small: bool | None = 
 def save_profile(profile: MachineProfile) -> Path:
     """Write ``profile`` (with the working-set bandwidths measured so far) for later chapters;
     one measured on buffers smaller than main memory's goes to the QUICK file, whoever asks."""
-    path = profile_path(profile.device, small=profile.bandwidth_bytes < 2**30)
-    data = profile.to_dict()
-    data["resident"] = {str(n): v for n, v in profile.resident.items()}
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    path = profile_path(profile.device, small=profile.bandwidth_bytes < MAIN_MEMORY_BYTES)
+    path.write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
     return path
 
 
