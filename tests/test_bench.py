@@ -237,3 +237,24 @@ def test_the_quiet_profiler_counts_operators_and_leaves_no_native_lines_behind(c
     os.write(2, b"still heard\n")  # the error stream is put back afterwards
     err = capfd.readouterr().err
     assert "still heard" in err and "profiler_start" not in err and "profiler_stop" not in err
+
+
+def test_pyplot_leaves_a_notebooks_backend_alone_and_switches_a_terminals_to_agg(monkeypatch) -> None:
+    import sys
+    import types
+
+    import matplotlib
+
+    from minillm.bench import pyplot
+
+    before = matplotlib.get_backend()
+    try:
+        matplotlib.use("svg")
+        monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
+        pyplot()
+        assert matplotlib.get_backend() == "svg"  # a kernel's own figures keep showing
+        monkeypatch.delitem(sys.modules, "ipykernel")
+        pyplot()
+        assert matplotlib.get_backend().lower() == "agg"
+    finally:
+        matplotlib.use(before)

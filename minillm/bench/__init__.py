@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -71,10 +72,13 @@ def interleaved_times(variants: dict[str, Callable[[], object]], device, rounds:
 
 
 def pyplot():
-    """matplotlib's pyplot on the Agg backend: the plots are written to files, never shown."""
+    """matplotlib's pyplot for figures written to files. From a terminal it switches to the Agg
+    backend, so a benchmark never opens a window; inside a notebook's kernel it leaves the
+    inline backend alone, since switching would silently stop the notebook's own figures showing."""
     import matplotlib
 
-    matplotlib.use("Agg")
+    if "ipykernel" not in sys.modules:
+        matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
