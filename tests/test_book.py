@@ -118,6 +118,21 @@ def test_every_chapter_ran_on_one_machine_at_full_size():
     assert len(machines) == 1, banners
 
 
+def test_the_cpu_benchmarks_the_chapters_read_come_from_the_chapters_machine():
+    """Chapters quote the committed CPU benchmarks beside their own outputs, so those must come from
+    the same machine: re-running the chapters on another CPU means re-running these too."""
+    machines = {banner(notebook).get("device") for notebook in NOTEBOOKS}
+    assert len(machines) == 1, machines
+    chapters_cpu = re.sub(r"^cpu \((.*)\)$", r"\1", machines.pop())
+    results = sorted((ROOT / "benchmarks" / "results").glob("*.json"))
+    named = {path.name: json.loads(path.read_text()).get("device") for path in results}
+    named = {name: device for name, device in named.items() if device}
+    assert named, "no committed CPU benchmark names its machine"
+    others = {name: device for name, device in named.items()
+              if re.sub(r" \(\d+ threads?\)", "", device) != chapters_cpu}
+    assert others == {}, f"the chapters ran on {chapters_cpu!r}"
+
+
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
 def test_every_chapter_opens_with_its_goal_and_ends_with_summary_and_exercises(notebook):
     cells = markdown_cells(notebook)
