@@ -6,7 +6,8 @@
 #   make loadtest - a load sweep against a running server (start one with make serve first)
 #   make router - the router on http://127.0.0.1:8080 over two local replicas of the server (chapter 17)
 #   make outputs - re-run every chapter at full size, in order, in place: the committed outputs the book shows
-#                  (about 50 minutes on two cores; run it alone on a quiet machine, after `make llamacpp`)
+#                  (about 50 minutes on two cores; run it alone on a quiet machine, after `make llamacpp`;
+#                  on another CPU than the committed benchmarks', re-run those first: tests/test_book.py checks)
 #   make bench  - the engine benchmark (every generation method, one workload) into benchmarks/results
 #   make gpu-check OUT=dir - every CUDA path run and measured in under 8 minutes (scripts/gpu_check.sh; on a CPU: DRY=1)
 #   make llamacpp - build llama.cpp's llama-bench, llama-batched-bench and llama-server into .cache/llama.cpp/bin
