@@ -258,3 +258,23 @@ def test_pyplot_leaves_a_notebooks_backend_alone_and_switches_a_terminals_to_agg
         assert matplotlib.get_backend().lower() == "agg"
     finally:
         matplotlib.use(before)
+
+
+def test_a_report_saved_from_a_terminal_records_the_command_that_made_it(tmp_path, monkeypatch) -> None:
+    import sys
+
+    from minillm.bench import command_line, save_report
+    from minillm.settings import project_root
+
+    main_py = str(project_root() / "minillm" / "bench" / "__main__.py")
+    assert command_line([main_py, "decode", "--batches", "1,8"]) == "python -m minillm.bench decode --batches 1,8"
+    router = str(project_root() / "server" / "router" / "bench.py")
+    assert command_line([router, "--out", "x"]) == "python -m server.router.bench --out x"
+    assert command_line([str(tmp_path / "elsewhere.py")]) is None  # not this project's module
+    assert command_line(["-c"]) is None  # a notebook's kernel or python -c
+
+    monkeypatch.setattr(sys, "argv", [main_py, "extras", "--rounds", "3"])
+    saved = json.loads(save_report({"rows": []}, tmp_path / "r.json").read_text())
+    assert saved == {"rows": [], "command": "python -m minillm.bench extras --rounds 3"}
+    monkeypatch.setattr(sys, "argv", ["-c"])
+    assert "command" not in json.loads(save_report({"rows": []}, tmp_path / "s.json").read_text())

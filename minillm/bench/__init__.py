@@ -50,8 +50,26 @@ def results_dir(out: str | None) -> Path:
     return Path(out) if out else (project_root() or Path.cwd()) / "benchmarks" / "results"
 
 
+def command_line(argv: list[str] | None = None) -> str | None:
+    """The command that is running, as one would type it again (``python -m minillm.bench decode
+    --batches 1,8``), when it is one of this project's modules run as a script; None otherwise
+    (a notebook's kernel, a test runner)."""
+    argv = sys.argv if argv is None else argv
+    root, script = project_root(), Path(argv[0]).resolve() if argv else None
+    if root is None or script is None or script.suffix != ".py" or not script.is_relative_to(root):
+        return None
+    parts = list(script.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__main__":
+        parts.pop()
+    return " ".join(["python", "-m", ".".join(parts), *argv[1:]])
+
+
 def save_report(report: dict, path: Path, plot: Callable[[dict, Path], object] | None = None, **dumps) -> Path:
-    """``report`` as JSON at ``path`` and, given ``plot(report, png)``, its figure beside it."""
+    """``report`` as JSON at ``path`` and, given ``plot(report, png)``, its figure beside it. A
+    report saved from a terminal records the command that made it, so it can be made again."""
+    command = command_line()
+    if command is not None:
+        report = {**report, "command": command}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, **dumps) + "\n")
     if plot is not None:
