@@ -272,6 +272,8 @@ def test_a_report_saved_from_a_terminal_records_the_command_that_made_it(tmp_pat
     assert command_line([router, "--out", "x"]) == "python -m server.router.bench --out x"
     assert command_line([str(tmp_path / "elsewhere.py")]) is None  # not this project's module
     assert command_line(["-c"]) is None  # a notebook's kernel or python -c
+    venv_pytest = str(project_root() / ".venv" / "lib" / "site-packages" / "pytest" / "__main__.py")
+    assert command_line([venv_pytest, "tests/"]) is None  # a test runner installed inside the checkout
 
     monkeypatch.setattr(sys, "argv", [main_py, "extras", "--rounds", "3"])
     saved = json.loads(save_report({"rows": []}, tmp_path / "r.json").read_text())

@@ -64,8 +64,17 @@ def test_the_roof_of_a_saved_working_set_is_read_not_measured(home, monkeypatch)
 def test_the_command_line_measures_and_saves(home, monkeypatch, capsys):
     monkeypatch.setenv("MINILLM_QUICK", "1")
     assert measured.main(["--device", "cpu", "--quick"]) == 0
-    assert "saved to" in capsys.readouterr().out
-    assert measured.load_profile("cpu") is not None
+    printed = capsys.readouterr().out
+    saved = measured.load_profile("cpu")
+    assert f"saved to {measured.profile_path('cpu')}" in printed
+    assert saved is not None and saved.table() in printed  # what it printed is what it saved
+
+
+def test_the_command_line_names_a_device_this_machine_lacks():
+    from minillm.cli import UsageError
+
+    with pytest.raises(UsageError, match="^--device nosuch"):
+        measured.main(["--device", "nosuch"])
 
 
 def test_a_small_measurement_never_stands_for_the_real_one(home, monkeypatch):

@@ -59,6 +59,8 @@ def command_line(argv: list[str] | None = None) -> str | None:
     if root is None or script is None or script.suffix != ".py" or not script.is_relative_to(root):
         return None
     parts = list(script.relative_to(root).with_suffix("").parts)
+    if not (root / parts[0] / "__init__.py").is_file():  # a tool under the checkout (.venv's pytest), not ours
+        return None
     if parts[-1] == "__main__":
         parts.pop()
     return " ".join(["python", "-m", ".".join(parts), *argv[1:]])

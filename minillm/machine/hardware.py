@@ -403,10 +403,23 @@ def specs_table() -> str:
 # ----------------------------------------------------------------------------- command line
 
 
+def device_from_flag(value: str | None) -> torch.device:
+    """The device a ``--device`` flag names, checked by placing a tensor on it; a device this
+    machine lacks is a one-line usage error naming the flag, not a traceback."""
+    from minillm.cli import UsageError
+
+    try:
+        device = resolve_device(value)
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as err:
+        raise UsageError(f"--device {value}: {str(err).splitlines()[0]}") from None
+    return device
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import json
 
-    from minillm.cli import ArgumentParser, UsageError
+    from minillm.cli import ArgumentParser
 
     parser = ArgumentParser(prog="python -m minillm.machine.hardware",
                             description="Measure this machine's memory bandwidth, matmul FLOP/s and ridge points.")
@@ -414,12 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
     parser.add_argument("--quick", action="store_true", help="small sizes: a rough answer in a second")
     args = parser.parse_args(argv)
-    try:
-        device = resolve_device(args.device)
-        torch.empty(1, device=device)
-    except (RuntimeError, AssertionError) as err:
-        raise UsageError(f"--device {args.device}: {str(err).splitlines()[0]}") from None
-    profile = measure_machine(device, small=args.quick or None)
+    profile = measure_machine(device_from_flag(args.device), small=args.quick or None)
     if args.json:
         print(json.dumps(profile.to_dict(), indent=2))
     else:

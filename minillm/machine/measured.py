@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from minillm.machine.hardware import (DTYPES, MAIN_MEMORY_BYTES, MachineProfile, device_name, measure_machine,
-                                      resolve_device, runs_matmul)
+from minillm.machine.hardware import (DTYPES, MAIN_MEMORY_BYTES, MachineProfile, device_from_flag, device_name,
+                                      measure_machine, resolve_device, runs_matmul)
 from minillm.settings import cache_dir, quick
 
 
@@ -77,10 +77,10 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = ArgumentParser(prog="python -m minillm.machine.measured",
                             description="Measure this machine and save the profile the book's chapters read.")
-    parser.add_argument("--device", default=None, help="cpu | cuda | mps (default: the best available)")
+    parser.add_argument("--device", default=None, help="cpu | cuda | cuda:1 | mps (default: the best available)")
     parser.add_argument("--quick", action="store_true", help="small sizes, kept apart from the real profile")
     args = parser.parse_args(argv)
-    profile = measure_machine(resolve_device(args.device), small=args.quick or None)
+    profile = measure_machine(device_from_flag(args.device), small=args.quick or None)
     print(profile.table(), f"\nsaved to {save_profile(profile)}", sep="\n")
     return 0
 
